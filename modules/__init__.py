@@ -1,0 +1,1 @@
+"""textgen: a local LLM workbench."""

@@ -1,0 +1,1 @@
+"""Chat: templates, prompt building (modes, truncation), characters and the history store."""

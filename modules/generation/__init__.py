@@ -1,0 +1,1 @@
+"""Generation: parameters, presets, stop strings and the pipeline that drives a backend."""

@@ -1,0 +1,1 @@
+"""The model lifecycle: default model setup, GGUF inspection, download, export, quantize."""

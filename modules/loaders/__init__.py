@@ -1,0 +1,73 @@
+"""The loader registry: loader name -> backend class, imported lazily on first use."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+
+from modules.errors import BackendUnavailable
+from modules.loaders.base import Backend
+
+# name -> (module path, class name, python package it needs)
+_BUILTIN: dict[str, tuple[str, str, str]] = {
+    "llama.cpp": ("modules.loaders.llama_cpp", "LlamaCppBackend", "llama_cpp"),
+    "transformers": ("modules.loaders.transformers", "TransformersBackend", "transformers"),
+    "exllamav2": ("modules.loaders.exllamav2", "ExLlamaV2Backend", "exllamav2"),
+    "remote": ("modules.loaders.remote", "RemoteBackend", "httpx"),
+}
+_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "hf": "transformers", "exl2": "exllamav2"}
+_extra: dict[str, type[Backend] | Callable[[], type[Backend]]] = {}
+
+
+def normalize(name: str) -> str:
+    """Canonical loader name for a user-typed one (case and common aliases)."""
+    key = name.strip().lower()
+    return _ALIASES.get(key, key)
+
+
+def register(name: str, backend: type[Backend] | Callable[[], type[Backend]]) -> None:
+    """Add a loader (extensions call this through the ``register_backends`` hook)."""
+    _extra[normalize(name)] = backend
+
+
+def unregister(name: str) -> None:
+    """Remove a loader added with :func:`register`."""
+    _extra.pop(normalize(name), None)
+
+
+def names() -> list[str]:
+    """Every known loader name, built-in first."""
+    return list(_BUILTIN) + [n for n in _extra if n not in _BUILTIN]
+
+
+def available() -> dict[str, bool]:
+    """Loader name -> whether its package is installed here."""
+    result = {}
+    for name in names():
+        if name in _extra:
+            result[name] = True
+        else:
+            result[name] = importlib.util.find_spec(_BUILTIN[name][2]) is not None
+    return result
+
+
+def get(name: str) -> type[Backend]:
+    """The backend class for a loader name, importing it on first use."""
+    key = normalize(name)
+    if key in _extra:
+        entry = _extra[key]
+        if isinstance(entry, type):
+            return entry
+        return entry()
+    if key not in _BUILTIN:
+        raise BackendUnavailable(f"unknown loader {name!r}; known loaders: {', '.join(names())}")
+    module_name, class_name, package = _BUILTIN[key]
+    if importlib.util.find_spec(package) is None:
+        raise BackendUnavailable(f"the {key} loader needs the Python package '{package}', which is not installed")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailable(f"the {key} loader could not be imported: {exc}") from exc
+    backend: type[Backend] = getattr(module, class_name)
+    return backend

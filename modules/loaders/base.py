@@ -1,0 +1,132 @@
+"""The Backend interface every loader implements, and the records it yields."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from modules.errors import NotSupported
+from modules.generation.params import GenerationParams
+
+# Parameters the pipeline itself applies, whatever the backend.
+PIPELINE_PARAMS = frozenset({"max_new_tokens", "stop", "skip_special_tokens"})
+
+
+@dataclass
+class TopLogprob:
+    """One candidate token at a step, with its log probability."""
+
+    token_id: int
+    piece: bytes
+    logprob: float
+
+
+@dataclass
+class TokenEvent:
+    """One generated token. ``piece`` is raw bytes: a character may span several tokens.
+
+    A pure end marker (no token) has ``token_id == -1``.
+    """
+
+    token_id: int
+    piece: bytes
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
+    finish_reason: str | None = None  # set on the last event: "stop" (EOS), "length", "cancelled", "context"
+
+
+@dataclass
+class ModelMetadata:
+    """What the model file says about itself."""
+
+    name: str = ""
+    architecture: str = ""
+    context_length: int | None = None  # trained context
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    add_bos_token: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(ABC):
+    """A loaded model that can tokenize and generate. One instance per loaded model."""
+
+    loader_name: ClassVar[str] = ""
+    # Capability flags; nothing outside a backend checks class names.
+    supports_lora: ClassVar[bool] = False
+    supports_grammar: ClassVar[bool] = False
+    supports_logprobs: ClassVar[bool] = False
+    supports_embeddings: ClassVar[bool] = False
+    supports_vision: ClassVar[bool] = False
+    # Settings fields this loader reads (the UI shows only these).
+    option_names: ClassVar[tuple[str, ...]] = ()
+    # GenerationParams fields this backend honours; a request setting another one away from its default is refused.
+    supported_params: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self) -> None:
+        self.metadata = ModelMetadata()
+        self.path: Path | None = None
+        self.max_parallel = 1
+
+    @classmethod
+    @abstractmethod
+    def load(cls, path: Path, options: dict[str, Any]) -> Backend:
+        """Load the model at ``path``; raise ModelLoadError with a clear message on failure."""
+
+    @abstractmethod
+    def unload(self) -> None:
+        """Free the model's memory; the instance is unusable afterwards."""
+
+    @abstractmethod
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Tokenize; ``add_special`` adds BOS where the model wants one."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Detokenize."""
+
+    @abstractmethod
+    def token_piece(self, token_id: int) -> bytes:
+        """The raw bytes of one token."""
+
+    @property
+    @abstractmethod
+    def context_length(self) -> int:
+        """Tokens one sequence can hold (prompt plus reply)."""
+
+    @abstractmethod
+    def generate(
+        self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event
+    ) -> Iterator[TokenEvent]:
+        """Stream tokens until EOS, ``max_new_tokens``, the context end, or ``cancel`` is set.
+
+        The last event carries ``finish_reason``. May block while waiting for a free slot.
+        """
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """One embedding vector per text."""
+        raise NotSupported(f"the {self.loader_name} backend cannot compute embeddings")
+
+    def load_lora(self, path: Path, scale: float = 1.0) -> None:
+        """Apply a LoRA adapter."""
+        raise NotSupported(f"the {self.loader_name} backend cannot load LoRA adapters")
+
+    def unload_lora(self, path: Path | None = None) -> None:
+        """Remove one adapter, or all of them."""
+        raise NotSupported(f"the {self.loader_name} backend cannot load LoRA adapters")
+
+    def stats(self) -> dict[str, Any]:
+        """Scheduler statistics (busy slots, queue depth, cache hits); empty when not applicable."""
+        return {}
+
+    def unsupported_params(self, params: GenerationParams) -> list[str]:
+        """Fields set away from their default that this backend would ignore."""
+        handled = self.supported_params | PIPELINE_PARAMS
+        return [name for name in params.non_default() if name not in handled]

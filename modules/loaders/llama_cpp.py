@@ -1,0 +1,496 @@
+"""llama.cpp backend: in-process llama-cpp-python with parallel slots, continuous batching and a prompt cache.
+
+One llama.cpp context holds ``--parallel`` sequences. A scheduler thread, at every step, decodes one token
+for every generating sequence and feeds waiting prompts in chunks alongside them, all in a single batch, so
+a long prompt never freezes the other streams. Each slot keeps its KV cache after a request ends; a new
+request goes to the free slot sharing the longest token prefix with its prompt and re-reads only the rest.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import llama_cpp._logger
+import numpy as np
+from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
+
+from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFull
+from modules.generation.params import GenerationParams
+from modules.loaders.base import Backend, ModelMetadata, TokenEvent
+from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
+
+log = logging.getLogger(__name__)
+
+_backend_ready = False
+_backend_lock = threading.Lock()
+
+
+def _init_backend(verbose: bool) -> None:
+    global _backend_ready
+    with _backend_lock:
+        llama_cpp._logger.set_verbose(verbose)
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+
+
+def default_threads() -> int:
+    """Physical cores (llama.cpp gains nothing from hyper-threads)."""
+    try:
+        import psutil
+
+        return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+    except ImportError:
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: GenerationParams
+    cancel: threading.Event
+    sampler: RequestSampler
+    out: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
+    n_fed: int = 0  # prompt tokens now in the KV cache
+    generated: int = 0
+    next_token: int | None = None  # sampled, to be fed at the next step
+    batch_index: int = -1  # where this request's logits are in the current batch
+    done: bool = False
+
+
+@dataclass
+class _Slot:
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)  # what the KV cache holds for this sequence
+    request: _Request | None = None
+    last_used: float = 0.0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n], dtype=np.int32), np.asarray(b[:n], dtype=np.int32)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+class LlamaCppBackend(Backend):
+    """GGUF models through llama-cpp-python's low-level API."""
+
+    loader_name = "llama.cpp"
+    supports_lora = True
+    supports_grammar = True
+    supports_logprobs = True
+    supports_embeddings = True
+    option_names = ("n_ctx", "threads", "threads_batch", "n_gpu_layers", "n_batch", "parallel", "max_queue")
+    supported_params = SUPPORTED
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._model: LlamaModel | None = None
+        self._ctx: LlamaContext | None = None
+        self._batch: LlamaBatch | None = None
+        self._n_ctx = 0
+        self._n_batch = 512
+        self._max_queue = 64
+        self._slots: list[_Slot] = []
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._decode_lock = threading.Lock()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._eog: list[int] = []
+        self._eog_set: frozenset[int] = frozenset()
+        self._n_vocab = 0
+        self._options: dict[str, Any] = {}
+        self._embed_ctx: LlamaContext | None = None
+        self._embed_lock = threading.Lock()
+        self._loras: dict[str, tuple[Any, float]] = {}
+        self._stats = {"requests": 0, "prompt_tokens": 0, "cache_hit_tokens": 0, "cache_hits": 0, "steps": 0}
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, path: Path, options: dict[str, Any]) -> LlamaCppBackend:
+        """Load a GGUF file and start the scheduler."""
+        self = cls()
+        self.path = path
+        self._options = dict(options)
+        _init_backend(bool(options.get("verbose")))
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = int(options.get("n_gpu_layers") or 0)
+        if model_params.n_gpu_layers < 0:
+            model_params.n_gpu_layers = 0x7FFFFFFF
+        try:
+            self._model = LlamaModel(path_model=str(path), params=model_params, verbose=bool(options.get("verbose")))
+        except (ValueError, OSError) as exc:
+            raise ModelLoadError(f"llama.cpp could not load {path.name}: {exc}") from exc
+        parallel = int(options.get("parallel") or 1)
+        trained = self._model.n_ctx_train()
+        self._n_ctx = int(options.get("n_ctx") or min(trained, 4096))
+        threads = int(options.get("threads") or default_threads())
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = self._n_ctx * parallel
+        ctx_params.n_seq_max = parallel
+        self._n_batch = int(options.get("n_batch") or 512)
+        ctx_params.n_batch = self._n_batch
+        ctx_params.n_ubatch = self._n_batch
+        ctx_params.n_threads = threads
+        ctx_params.n_threads_batch = int(options.get("threads_batch") or threads)
+        ctx_params.no_perf = True
+        try:
+            self._ctx = LlamaContext(model=self._model, params=ctx_params, verbose=bool(options.get("verbose")))
+        except ValueError as exc:
+            self._model.close()
+            raise ModelLoadError(
+                f"llama.cpp could not create a context for {path.name} (out of memory?): {exc}"
+            ) from exc
+        self._batch = LlamaBatch(n_tokens=self._n_batch + parallel, embd=0, n_seq_max=1, verbose=False)
+        self._n_vocab = self._model.n_vocab()
+        vocab = self._model.vocab
+        self._eog = [t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+        self._eog_set = frozenset(self._eog)
+        max_queue = options.get("max_queue")
+        self._max_queue = 64 if max_queue is None else int(max_queue)
+        self._slots = [_Slot(seq_id=i) for i in range(parallel)]
+        self.max_parallel = parallel
+        self.metadata = self._read_metadata(path)
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="llama.cpp-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _read_metadata(self, path: Path) -> ModelMetadata:
+        assert self._model is not None
+        raw = self._model.metadata()
+        model = self._model
+        bos, eos = model.token_bos(), model.token_eos()
+
+        def text(token: int) -> str:
+            return model.token_get_text(token) if 0 <= token < self._n_vocab else ""
+
+        return ModelMetadata(
+            name=raw.get("general.name", path.stem),
+            architecture=raw.get("general.architecture", ""),
+            context_length=model.n_ctx_train(),
+            chat_template=raw.get("tokenizer.chat_template"),
+            bos_token=text(bos),
+            eos_token=text(eos),
+            bos_token_id=bos if bos >= 0 else None,
+            eos_token_ids=list(self._eog),
+            add_bos_token=bool(model.add_bos_token()),
+            extra={"description": model.desc(), "parameters": model.n_params(), "size": model.size()},
+        )
+
+    def unload(self) -> None:
+        """Stop the scheduler, fail pending requests, free the context and the model."""
+        with self._cv:
+            self._running = False
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for req in [s.request for s in self._slots if s.request] + list(self._waiting):
+            if req is not None:
+                self._finish(req, "cancelled")
+        self._waiting.clear()
+        for adapter, _ in self._loras.values():
+            llama_cpp.llama_adapter_lora_free(adapter)
+        self._loras.clear()
+        for obj in (self._embed_ctx, self._batch, self._ctx, self._model):
+            if obj is not None:
+                obj.close()
+        self._embed_ctx = self._batch = self._ctx = self._model = None
+
+    # ---------------------------------------------------------------- tokens
+    @property
+    def context_length(self) -> int:
+        return self._n_ctx
+
+    def _require_model(self) -> LlamaModel:
+        if self._model is None:
+            raise ModelLoadError("the model has been unloaded")
+        return self._model
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        return list(self._require_model().tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.token_piece(t, special=True) for t in ids).decode("utf-8", errors="replace")
+
+    def token_piece(self, token_id: int, special: bool = False) -> bytes:
+        model = self._require_model()
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_token_to_piece(model.vocab, token_id, buf, len(buf), 0, special)
+        return bytes(buf.raw[: max(n, 0)])
+
+    # ---------------------------------------------------------------- generation
+    def generate(
+        self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event
+    ) -> Iterator[TokenEvent]:
+        """Queue the request (QueueFull when slots and queue are full) and return its token stream."""
+        model = self._require_model()
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self._n_vocab]
+        if bad:
+            raise InvalidRequest(
+                f"token id {bad[0]} is outside the vocabulary (0..{self._n_vocab - 1})", param="prompt"
+            )
+        grammar = params.grammar or (schema_to_grammar(params.json_schema) if params.json_schema is not None else None)
+        sampler = RequestSampler(model.vocab, self._n_vocab, params, self._eog, self._n_ctx, grammar)
+        sampler.accept_prompt(prompt_ids)
+        req = _Request(prompt=list(prompt_ids), params=params, cancel=cancel, sampler=sampler)
+        with self._cv:
+            if not self._running:
+                sampler.close()
+                raise ModelLoadError("the model has been unloaded")
+            busy = sum(1 for s in self._slots if s.request is not None)
+            if busy + len(self._waiting) >= len(self._slots) + self._max_queue:
+                sampler.close()
+                raise QueueFull()
+            self._waiting.append(req)
+            self._cv.notify_all()
+        return self._stream(req)
+
+    def _stream(self, req: _Request) -> Iterator[TokenEvent]:
+        try:
+            while True:
+                try:
+                    item = req.out.get(timeout=0.5)
+                except queue.Empty:
+                    if self._thread is None or not self._thread.is_alive():
+                        raise RuntimeError("the llama.cpp scheduler stopped") from None
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            req.cancel.set()
+            with self._cv:
+                self._cv.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            busy = sum(1 for s in self._slots if s.request is not None)
+            return {**self._stats, "slots": len(self._slots), "busy_slots": busy, "queue_depth": len(self._waiting)}
+
+    # ---------------------------------------------------------------- scheduler
+    def _finish(
+        self, req: _Request, reason: str, slot: _Slot | None = None, token: int = -1, piece: bytes = b"", **extra: Any
+    ) -> None:
+        """End a request: free its slot first, then send the final event."""
+        if slot is not None:
+            slot.request = None
+            slot.last_used = time.monotonic()
+        if req.done:
+            return
+        req.done = True
+        req.sampler.close()
+        req.out.put(TokenEvent(token_id=token, piece=piece, finish_reason=reason, **extra))
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots, preferring the slot with the longest cached prefix."""
+        while self._waiting:
+            req = self._waiting[0]
+            if req.cancel.is_set():
+                self._waiting.popleft()
+                self._finish(req, "cancelled")
+                continue
+            free = [s for s in self._slots if s.request is None]
+            if not free:
+                return
+            self._waiting.popleft()
+            best = max(free, key=lambda s: (_common_prefix(s.tokens, req.prompt), -s.last_used))
+            reuse = min(_common_prefix(best.tokens, req.prompt), len(req.prompt) - 1)
+            assert self._ctx is not None
+            if reuse < len(best.tokens):
+                if not self._ctx.kv_cache_seq_rm(best.seq_id, reuse, -1):
+                    self._ctx.kv_cache_seq_rm(best.seq_id, 0, -1)
+                    reuse = 0
+                del best.tokens[reuse:]
+            req.n_fed = reuse
+            best.request = req
+            self._stats["requests"] += 1
+            self._stats["prompt_tokens"] += len(req.prompt)
+            if reuse:
+                self._stats["cache_hits"] += 1
+                self._stats["cache_hit_tokens"] += reuse
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._running and not self._waiting and not any(s.request for s in self._slots):
+                    self._cv.wait()
+                if not self._running:
+                    return
+                self._admit()
+            try:
+                self._step()
+            except Exception as exc:  # keep the scheduler alive; fail only the requests in flight
+                log.exception("llama.cpp step failed")
+                for slot in self._slots:
+                    if slot.request is not None:
+                        slot.request.out.put(RuntimeError(f"generation failed: {exc}"))
+                        slot.request.done = True
+                        slot.request.sampler.close()
+                        slot.request = None
+                    if self._ctx is not None:
+                        self._ctx.kv_cache_seq_rm(slot.seq_id, 0, -1)
+                    slot.tokens.clear()
+
+    def _step(self) -> None:
+        assert self._ctx is not None and self._batch is not None
+        batch = self._batch.batch
+        n = 0
+        active: list[_Slot] = []
+        for slot in self._slots:
+            req = slot.request
+            if req is None:
+                continue
+            if req.cancel.is_set():
+                self._finish(req, "cancelled", slot)
+                continue
+            req.batch_index = -1
+            if req.next_token is not None:  # decoding: one token per sequence
+                batch.token[n], batch.pos[n], batch.n_seq_id[n] = req.next_token, len(slot.tokens), 1
+                batch.seq_id[n][0], batch.logits[n] = slot.seq_id, True
+                slot.tokens.append(req.next_token)
+                req.next_token, req.batch_index = None, n
+                n += 1
+                active.append(slot)
+        for slot in self._slots:  # prefill in chunks with what is left of the batch
+            req = slot.request
+            if req is None or req.batch_index >= 0 or req.n_fed >= len(req.prompt):
+                continue
+            room = self._n_batch - n
+            if room <= 0:
+                break
+            chunk = req.prompt[req.n_fed : req.n_fed + room]
+            for j, token in enumerate(chunk):
+                batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, len(slot.tokens) + j, 1
+                batch.seq_id[n][0], batch.logits[n] = slot.seq_id, False
+                n += 1
+            slot.tokens.extend(chunk)
+            req.n_fed += len(chunk)
+            if req.n_fed == len(req.prompt):
+                batch.logits[n - 1] = True
+                req.batch_index = n - 1
+            active.append(slot)
+        if n == 0:
+            return
+        batch.n_tokens = n
+        with self._decode_lock:
+            code = llama_cpp.llama_decode(self._ctx.ctx, batch)
+        self._stats["steps"] += 1
+        if code != 0:
+            raise RuntimeError(f"llama_decode returned {code}")
+        for slot in active:
+            req = slot.request
+            if req is None or req.batch_index < 0:
+                continue
+            self._emit(slot, req)
+
+    def _emit(self, slot: _Slot, req: _Request) -> None:
+        assert self._ctx is not None
+        token, logprob, alternatives = req.sampler.sample(self._ctx.ctx, req.batch_index)
+        tops = top_logprobs(alternatives, lambda t: self.token_piece(t, special=True))
+        if token in self._eog_set:
+            self._finish(req, "stop", slot, logprob=logprob, top_logprobs=tops)
+            return
+        req.generated += 1
+        piece = self.token_piece(token, special=not req.params.skip_special_tokens)
+        if req.generated >= req.params.max_new_tokens or len(slot.tokens) + 1 >= self._n_ctx:
+            self._finish(req, "length", slot, token=token, piece=piece, logprob=logprob, top_logprobs=tops)
+            return
+        req.out.put(TokenEvent(token_id=token, piece=piece, logprob=logprob, top_logprobs=tops))
+        req.next_token = token
+
+    # ---------------------------------------------------------------- embeddings and LoRA
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """Mean-pooled, L2-normalised embeddings from a second context in embeddings mode."""
+        model = self._require_model()
+        with self._embed_lock:
+            if self._embed_ctx is None:
+                params = llama_cpp.llama_context_default_params()
+                params.n_ctx = params.n_batch = params.n_ubatch = self._n_ctx
+                params.n_seq_max = 1
+                params.embeddings = True
+                params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
+                params.n_threads = params.n_threads_batch = int(self._options.get("threads") or default_threads())
+                self._embed_ctx = LlamaContext(model=model, params=params, verbose=False)
+            ctx = self._embed_ctx
+            batch = LlamaBatch(n_tokens=self._n_ctx, embd=0, n_seq_max=1, verbose=False)
+            vectors = []
+            try:
+                for text in texts:
+                    tokens = self.encode(text)[: self._n_ctx]
+                    if not tokens:
+                        raise InvalidRequest("cannot embed an empty string", param="input")
+                    ctx.kv_cache_clear()
+                    batch.reset()
+                    batch.add_sequence(tokens, 0, logits_all=True)
+                    if llama_cpp.llama_decode(ctx.ctx, batch.batch) != 0:
+                        raise RuntimeError("llama_decode failed while embedding")
+                    pointer = llama_cpp.llama_get_embeddings_seq(ctx.ctx, 0)
+                    vector = np.ctypeslib.as_array(pointer, shape=(model.n_embd(),)).astype(np.float64)
+                    norm = float(np.linalg.norm(vector)) or 1.0
+                    vectors.append((vector / norm).tolist())
+            finally:
+                batch.close()
+            return vectors
+
+    def _apply_loras(self) -> None:
+        assert self._ctx is not None
+        items = list(self._loras.values())
+        adapters = (llama_cpp.llama_adapter_lora_p_ctypes * len(items))(*[a for a, _ in items]) if items else None
+        scales = (ctypes.c_float * len(items))(*[s for _, s in items]) if items else None
+        with self._decode_lock:
+            llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, len(items), scales)
+            for slot in self._slots:  # cached prefixes were computed with other weights
+                self._ctx.kv_cache_seq_rm(slot.seq_id, 0, -1)
+                slot.tokens.clear()
+
+    def load_lora(self, path: Path, scale: float = 1.0) -> None:
+        """Apply a GGUF LoRA adapter on top of the loaded model."""
+        model = self._require_model()
+        if path.is_dir():
+            ggufs = sorted(path.glob("*.gguf"))
+            if not ggufs:
+                raise NotSupported(f"{path.name} holds no GGUF adapter; llama.cpp needs LoRA adapters in GGUF form")
+            path = ggufs[0]
+        if not math.isfinite(scale):
+            raise InvalidRequest("LoRA scale must be a finite number", param="scale")
+        if any(s.request for s in self._slots) or self._waiting:
+            raise InvalidRequest("cannot change LoRA adapters while generations are running")
+        adapter = llama_cpp.llama_adapter_lora_init(model.model, str(path).encode("utf-8"))
+        if not adapter:
+            raise ModelLoadError(f"{path.name} is not a LoRA adapter for this model")
+        if str(path) in self._loras:
+            llama_cpp.llama_adapter_lora_free(self._loras[str(path)][0])
+        self._loras[str(path)] = (adapter, scale)
+        self._apply_loras()
+
+    def unload_lora(self, path: Path | None = None) -> None:
+        """Remove one adapter (or all)."""
+        keys = (
+            list(self._loras) if path is None else [k for k in self._loras if Path(k) == path or Path(k).parent == path]
+        )
+        removed = [self._loras.pop(key)[0] for key in keys]
+        if self._ctx is not None:
+            self._apply_loras()
+        for adapter in removed:
+            llama_cpp.llama_adapter_lora_free(adapter)

@@ -1,0 +1,212 @@
+"""Per-request sampler chains for the llama.cpp backend, built from GenerationParams with llama.cpp's samplers."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from modules.errors import InvalidRequest
+from modules.generation.params import GenerationParams
+from modules.loaders.base import TopLogprob
+
+# Parameters the chain below honours.
+SUPPORTED = frozenset(
+    {
+        "seed", "ban_eos", "temperature", "dynatemp_range", "dynatemp_exponent", "temperature_last",
+        "top_k", "top_p", "min_p", "typical_p", "xtc_threshold", "xtc_probability",
+        "repetition_penalty", "repetition_penalty_range", "presence_penalty", "frequency_penalty",
+        "dry_multiplier", "dry_base", "dry_allowed_length", "dry_sequence_breakers",
+        "mirostat_mode", "mirostat_tau", "mirostat_eta", "logit_bias", "grammar", "json_schema",
+        "logprobs", "top_logprobs",
+    }
+)  # fmt: skip
+
+_TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
+
+
+def schema_to_grammar(schema: dict[str, Any]) -> str:
+    """Convert a JSON schema to GBNF; an unsupported or invalid schema is an InvalidRequest."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        return str(json_schema_to_gbnf(json.dumps(schema)))
+    except Exception as exc:  # the converter raises plain exceptions on bad schemas
+        raise InvalidRequest(f"invalid JSON schema: {exc}", param="response_format") from exc
+
+
+class RequestSampler:
+    """One request's sampler: grammar (kept apart so prompt tokens do not advance it) and the chain."""
+
+    def __init__(
+        self,
+        vocab: Any,
+        n_vocab: int,
+        params: GenerationParams,
+        eog_tokens: list[int],
+        context_length: int,
+        grammar: str | None = None,
+    ) -> None:
+        self.n_vocab = n_vocab
+        self.params = params
+        self.chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        self.grammar: Any = None
+        self._keep: list[Any] = []  # ctypes buffers that must outlive the samplers
+        self._candidates: np.ndarray | None = None
+        try:
+            if grammar:
+                sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+                if not sampler:
+                    raise InvalidRequest("the grammar could not be parsed (see the server log)", param="grammar")
+                self.grammar = sampler
+            self._build(vocab, eog_tokens, context_length)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, sampler: Any) -> None:
+        if not sampler:
+            raise InvalidRequest("llama.cpp refused a sampler setting")
+        llama_cpp.llama_sampler_chain_add(self.chain, sampler)
+
+    def _build(self, vocab: Any, eog_tokens: list[int], context_length: int) -> None:
+        p = self.params
+        seed = p.resolved_seed() & 0xFFFFFFFF
+        bias = {int(k): float(v) for k, v in p.logit_bias.items() if 0 <= int(k) < self.n_vocab}
+        if p.ban_eos:
+            bias.update({t: -math.inf for t in eog_tokens})
+        if bias:
+            array = (llama_cpp.llama_logit_bias * len(bias))()
+            for i, (token, value) in enumerate(bias.items()):
+                array[i].token, array[i].bias = token, (-math.inf if value <= -100 else value)
+            self._keep.append(array)
+            self._add(llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(bias), array))
+        last_n = p.repetition_penalty_range or context_length
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            self._add(
+                llama_cpp.llama_sampler_init_penalties(
+                    self.n_vocab, last_n, p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+                )
+            )
+        if p.dry_multiplier > 0:
+            breakers = (ctypes.c_char_p * len(p.dry_sequence_breakers))(
+                *[b.encode("utf-8") for b in p.dry_sequence_breakers]
+            )
+            self._keep.append(breakers)
+            self._add(
+                llama_cpp.llama_sampler_init_dry(
+                    vocab,
+                    p.dry_multiplier,
+                    p.dry_base,
+                    p.dry_allowed_length,
+                    last_n,
+                    breakers,
+                    len(p.dry_sequence_breakers),
+                )
+            )
+        if p.greedy:
+            self._add(llama_cpp.llama_sampler_init_greedy())
+            return
+        if p.mirostat_mode:
+            self._add_temperature()
+            if p.mirostat_mode == 1:
+                self._add(
+                    llama_cpp.llama_sampler_init_mirostat(self.n_vocab, seed, p.mirostat_tau, p.mirostat_eta, 100)
+                )
+            else:
+                self._add(llama_cpp.llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta))
+            return
+        if not p.temperature_last:
+            self._add_temperature()
+        if p.top_k > 0:
+            self._add(llama_cpp.llama_sampler_init_top_k(p.top_k))
+        if p.typical_p < 1.0:
+            self._add(llama_cpp.llama_sampler_init_typical(p.typical_p, 1))
+        if p.top_p < 1.0:
+            self._add(llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
+        if p.min_p > 0.0:
+            self._add(llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
+        if p.xtc_probability > 0.0:
+            self._add(llama_cpp.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, 1, seed))
+        if p.temperature_last:
+            self._add_temperature()
+        self._add(llama_cpp.llama_sampler_init_dist(seed))
+
+    def _add_temperature(self) -> None:
+        p = self.params
+        if p.dynatemp_range > 0:
+            self._add(llama_cpp.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent))
+        else:
+            self._add(llama_cpp.llama_sampler_init_temp(p.temperature))
+
+    def accept_prompt(self, tokens: list[int]) -> None:
+        """Let the penalty samplers see the prompt (the grammar does not: it constrains the reply only)."""
+        window = self.params.repetition_penalty_range or len(tokens)
+        for token in tokens[-window:]:
+            llama_cpp.llama_sampler_accept(self.chain, token)
+
+    def sample(self, ctx: Any, index: int) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+        """Sample the next token from output ``index`` of the last decode.
+
+        Returns (token, logprob, top candidates) where the log probabilities (when asked for) come from
+        the distribution the token was drawn from: after penalties, bias, temperature and truncation.
+        """
+        want = self.params.logprobs or self.params.top_logprobs > 0
+        if self.grammar is None and not want:
+            return int(llama_cpp.llama_sampler_sample(self.chain, ctx, index)), None, None
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
+        if self._candidates is None:
+            self._candidates = np.empty(self.n_vocab, dtype=_TOKEN_DATA)
+        cand = self._candidates
+        cand["id"] = np.arange(self.n_vocab, dtype=np.intc)
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        array = llama_cpp.llama_token_data_array(
+            data=cand.ctypes.data_as(llama_cpp.llama_token_data_p), size=self.n_vocab, selected=-1, sorted=False
+        )
+        if self.grammar is not None:
+            llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(array))
+        llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(array))
+        size, selected = int(array.size), int(array.selected)
+        if not 0 <= selected < size:
+            raise RuntimeError("the sampler chain selected no token")
+        kept = cand[:size]
+        token = int(kept["id"][selected])
+        llama_cpp.llama_sampler_accept(self.chain, token)
+        if self.grammar is not None:
+            llama_cpp.llama_sampler_accept(self.grammar, token)
+        if not want:
+            return token, None, None
+        scores = kept["logit"].astype(np.float64)
+        finite = np.isfinite(scores)
+        top = float(scores[finite].max()) if finite.any() else 0.0
+        log_z = top + math.log(float(np.exp(scores[finite] - top).sum())) if finite.any() else 0.0
+        logprobs = np.where(finite, scores - log_z, -np.inf)
+        chosen = float(logprobs[selected])
+        alternatives: list[tuple[int, float]] = []
+        n = self.params.top_logprobs
+        if n > 0:
+            order = np.argsort(-logprobs)[:n]
+            alternatives = [(int(kept["id"][i]), float(logprobs[i])) for i in order if np.isfinite(logprobs[i])]
+        return token, chosen, alternatives
+
+    def close(self) -> None:
+        """Free the samplers."""
+        if self.chain:
+            llama_cpp.llama_sampler_free(self.chain)
+            self.chain = None
+        if self.grammar:
+            llama_cpp.llama_sampler_free(self.grammar)
+            self.grammar = None
+        self._keep.clear()
+
+
+def top_logprobs(pairs: list[tuple[int, float]] | None, piece: Any) -> list[TopLogprob] | None:
+    """Turn (token, logprob) pairs into TopLogprob records using ``piece(token) -> bytes``."""
+    if pairs is None:
+        return None
+    return [TopLogprob(token_id=t, piece=piece(t), logprob=lp) for t, lp in pairs]

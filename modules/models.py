@@ -1,0 +1,218 @@
+"""Models in models/: list them, detect their format and loader, load, unload and switch (unload first)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modules import loaders, models_settings, shared
+from modules.errors import InvalidRequest, ModelLoadError, ModelNotFound, TextgenError
+from modules.lifecycle.gguf import GGUFError, read_metadata
+from modules.loaders.base import Backend, ModelMetadata
+from modules.paths import UnsafePath, safe_child
+
+log = logging.getLogger(__name__)
+
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+@dataclass
+class ModelInfo:
+    """A model found in the models folder."""
+
+    name: str  # path relative to the models folder
+    path: Path
+    format: str  # "gguf" | "hf" | "exl2"
+    size_bytes: int
+
+    @property
+    def loader(self) -> str:
+        """The loader this format calls for."""
+        return detect_loader(self)
+
+
+def _folder_format(folder: Path) -> str | None:
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "hf"  # let the loader report the broken config
+    quant = data.get("quantization_config") or {}
+    if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "exl2":
+        return "exl2"
+    return "hf"
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _gguf_entry(path: Path, root: Path) -> ModelInfo | None:
+    shard = _SHARD.search(path.name)
+    if shard and shard.group(1) != "00001":
+        return None  # only the first shard of a split model is listed
+    return ModelInfo(name=path.relative_to(root).as_posix(), path=path, format="gguf", size_bytes=_size(path))
+
+
+def list_models() -> list[ModelInfo]:
+    """GGUF files (top level, or one folder deep) and HF/EXL2 folders, sorted by name."""
+    root = shared.models_dir()
+    found: list[ModelInfo] = []
+    if not root.is_dir():
+        return found
+    for entry in sorted(root.iterdir(), key=lambda p: p.name.lower()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_file() and entry.suffix.lower() == ".gguf":
+            info = _gguf_entry(entry, root)
+            if info:
+                found.append(info)
+        elif entry.is_dir():
+            fmt = _folder_format(entry)
+            if fmt:
+                found.append(ModelInfo(name=entry.name, path=entry, format=fmt, size_bytes=_size(entry)))
+                continue
+            for sub in sorted(entry.glob("*.gguf")):
+                info = _gguf_entry(sub, root)
+                if info:
+                    found.append(info)
+    return found
+
+
+def model_names() -> list[str]:
+    """Names of the models in the models folder."""
+    return [m.name for m in list_models()]
+
+
+def find_model(name: str) -> ModelInfo:
+    """The model called ``name`` (a file or folder under the models folder)."""
+    root = shared.models_dir()
+    try:
+        path = safe_child(root, name)
+    except UnsafePath as exc:
+        raise InvalidRequest(f"invalid model name: {exc}", param="model_name") from exc
+    if not path.exists():
+        names = ", ".join(model_names()) or "none"
+        raise ModelNotFound(f"model {name!r} is not in {root} (available: {names})")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{name}: unsupported file type {path.suffix or '(none)'}; expected a .gguf file")
+        return ModelInfo(name=name, path=path, format="gguf", size_bytes=_size(path))
+    fmt = _folder_format(path)
+    if fmt is None:
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return ModelInfo(
+                name=ggufs[0].relative_to(root).as_posix(), path=ggufs[0], format="gguf", size_bytes=_size(ggufs[0])
+            )
+        raise ModelLoadError(f"{name}: the folder holds neither a config.json (HF model) nor a .gguf file")
+    return ModelInfo(name=name, path=path, format=fmt, size_bytes=_size(path))
+
+
+def detect_loader(info: ModelInfo) -> str:
+    """The loader a model's format calls for."""
+    return {"gguf": "llama.cpp", "exl2": "exllamav2", "hf": "transformers"}[info.format]
+
+
+def _hf_metadata(folder: Path) -> ModelMetadata:
+    meta = ModelMetadata(name=folder.name)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{folder.name}/config.json cannot be read: {exc}") from exc
+    text_config = config.get("text_config") or config
+    meta.architecture = (config.get("architectures") or [""])[0]
+    ctx = text_config.get("max_position_embeddings") or config.get("max_position_embeddings")
+    meta.context_length = int(ctx) if ctx else None
+    tok_config = folder / "tokenizer_config.json"
+    if tok_config.is_file():
+        try:
+            data: dict[str, Any] = json.loads(tok_config.read_text(encoding="utf-8"))
+        except ValueError:
+            data = {}
+        template = data.get("chat_template")
+        meta.chat_template = template if isinstance(template, str) else None
+    jinja = folder / "chat_template.jinja"
+    if meta.chat_template is None and jinja.is_file():
+        meta.chat_template = jinja.read_text(encoding="utf-8")
+    return meta
+
+
+def inspect_model(info: ModelInfo) -> ModelMetadata:
+    """Read a model's metadata without loading it; a corrupt file raises ModelLoadError."""
+    if info.format == "gguf":
+        try:
+            return read_metadata(info.path)
+        except GGUFError as exc:
+            raise ModelLoadError(str(exc)) from exc
+    return _hf_metadata(info.path)
+
+
+def unload_model() -> None:
+    """Unload the current model (if any) and free its memory."""
+    with shared.model_lock:
+        backend = shared.model
+        if backend is None:
+            return
+        name = shared.model_name
+        shared.model, shared.model_name, shared.model_options, shared.loras = None, None, {}, []
+        try:
+            backend.unload()
+        finally:
+            gc.collect()
+        log.info("Unloaded %s", name)
+
+
+def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
+    """Load ``name`` (unloading the current model first) and make it the shared model.
+
+    Raises ModelNotFound, ModelLoadError or BackendUnavailable with a message meant for the user;
+    on failure no model is loaded and the server keeps running.
+    """
+    with shared.model_lock:
+        info = find_model(name)
+        meta = inspect_model(info)
+        resolved = models_settings.resolve(info.name, info.path, meta, overrides)
+        loader = loaders.normalize(resolved.loader or detect_loader(info))
+        backend_cls = loaders.get(loader)
+        unload_model()
+        shared.loading_model, shared.load_error = info.name, None
+        started = time.perf_counter()
+        try:
+            backend = backend_cls.load(info.path, resolved.options)
+        except TextgenError as exc:
+            shared.load_error = str(exc)
+            raise
+        except Exception as exc:  # a backend's own failure: report it, keep serving
+            shared.load_error = f"{info.name}: {type(exc).__name__}: {exc}"
+            log.exception("Loading %s failed", info.name)
+            raise ModelLoadError(f"loading {info.name} with {loader} failed: {exc}") from exc
+        finally:
+            shared.loading_model = None
+        if not backend.metadata.chat_template and meta.chat_template:
+            backend.metadata.chat_template = meta.chat_template
+        for key in ("instruction_template", "chat_template"):
+            if key in resolved.extra:
+                backend.metadata.extra[key] = resolved.extra[key]
+        shared.model, shared.model_name, shared.model_options = backend, info.name, dict(resolved.options)
+        shared.model_options["loader"] = loader
+        log.info(
+            "Loaded %s with %s in %.2f s (context %d, %d slot%s)",
+            info.name,
+            loader,
+            time.perf_counter() - started,
+            backend.context_length,
+            backend.max_parallel,
+            "" if backend.max_parallel == 1 else "s",
+        )
+        return backend

@@ -1,0 +1,248 @@
+"""Server settings: one pydantic schema that is the source of the CLI flags, settings.yaml and env.
+
+Precedence (lowest to highest): code defaults < ``user_data/settings.yaml`` (or ``--settings FILE``) <
+environment (``TEXTGEN_<FIELD>``) < command line. Per-model settings sit between settings.yaml and the
+explicit values: a value given on the command line or in the environment always wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ENV_PREFIX = "TEXTGEN_"
+
+
+class SettingsError(ValueError):
+    """A settings file, environment variable or flag holds a value the schema refuses."""
+
+
+class Settings(BaseModel):
+    """Every server setting. Each field becomes ``--field-name`` on the command line."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- model ---
+    model: str | None = Field(
+        DEFAULT_MODEL,
+        description="Model to load at startup: a file or folder name under --model-dir. 'none' starts without one.",
+    )
+    loader: str | None = Field(
+        None,
+        description="Backend to load the model with (llama.cpp, transformers, exllamav2, remote). Default: detected from the format.",
+    )
+    model_dir: Path = Field(Path("models"), description="Folder holding the models.")
+    lora_dir: Path = Field(Path("loras"), description="Folder holding the LoRA adapters.")
+    user_data_dir: Path = Field(
+        Path("user_data"), description="Folder holding presets, characters, templates, chat logs and settings.yaml."
+    )
+    n_ctx: int | None = Field(
+        None, ge=16, description="Context length per sequence, in tokens. Default: the model's own, capped at 4096."
+    )
+    threads: int | None = Field(None, ge=1, description="CPU threads for generation. Default: physical cores.")
+    threads_batch: int | None = Field(
+        None, ge=1, description="CPU threads for prompt processing. Default: as --threads."
+    )
+    n_gpu_layers: int = Field(
+        0, ge=-1, description="Layers to offload to the GPU (-1: all). Ignored without a GPU build."
+    )
+    n_batch: int = Field(512, ge=1, description="Largest number of prompt tokens fed to the model in one step.")
+    parallel: int = Field(4, ge=1, le=64, description="Generations that can run at the same time (slots).")
+    max_queue: int = Field(
+        64, ge=0, description="Requests that may wait for a free slot; beyond that the API answers 503."
+    )
+    # --- server ---
+    listen: bool = Field(False, description="Listen on all interfaces (0.0.0.0) instead of 127.0.0.1.")
+    listen_host: str | None = Field(None, description="Host name or address to listen on (overrides --listen).")
+    listen_port: int = Field(7860, ge=1, le=65535, description="Port of the web UI and the API.")
+    nowebui: bool = Field(False, description="Serve the API only, without the web UI.")
+    api_key: str | None = Field(None, description="Require this key (Bearer or x-api-key) on the API.")
+    admin_key: str | None = Field(
+        None, description="Require this key for admin API endpoints (model load/unload). Default: --api-key."
+    )
+    api_cors_origins: list[str] = Field(
+        default_factory=list, description="Origins allowed to call the API from a browser (CORS). Default: none."
+    )
+    extensions: list[str] = Field(default_factory=list, description="Extensions to load at startup (folder names).")
+    gradio_auth: str | None = Field(None, description="Web UI logins as 'user:password' pairs separated by commas.")
+    gradio_auth_path: Path | None = Field(None, description="File with one 'user:password' per line, for the web UI.")
+    multi_user: bool = Field(False, description="Each signed-in user sees only their own chat histories.")
+    verbose: bool = Field(False, description="Log debug messages, including every prompt.")
+
+    @field_validator("loader")
+    @classmethod
+    def _lower_loader(cls, value: str | None) -> str | None:
+        return value.lower() if value else value
+
+    @property
+    def host(self) -> str:
+        """The address uvicorn binds to."""
+        if self.listen_host:
+            return self.listen_host
+        return "0.0.0.0" if self.listen else "127.0.0.1"
+
+    def auth_pairs(self) -> list[tuple[str, str]]:
+        """Web UI credentials from --gradio-auth and --gradio-auth-path."""
+        text = self.gradio_auth or ""
+        if self.gradio_auth_path:
+            text += "," + self.gradio_auth_path.read_text(encoding="utf-8").replace("\n", ",")
+        pairs = []
+        for item in text.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            user, sep, password = item.partition(":")
+            if not sep or not user:
+                raise SettingsError(f"gradio auth entry {item!r} is not 'user:password'")
+            pairs.append((user.strip(), password.strip()))
+        return pairs
+
+
+@dataclass
+class LoadedSettings:
+    """The settings plus where each value came from."""
+
+    settings: Settings
+    explicit: frozenset[str] = frozenset()  # fields given on the command line or in the environment
+    extension_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # from 'name-key' yaml entries
+    extra: dict[str, Any] = field(default_factory=dict)  # other settings.yaml keys (UI defaults)
+    settings_file: Path | None = None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """(inner type, is_list) for an annotation like ``int | None`` or ``list[str]``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0])
+    if origin in (list, Sequence):
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser generated from :class:`Settings`; unset flags are absent from the result."""
+    parser = argparse.ArgumentParser(
+        prog="server.py",
+        description="textgen: a local LLM workbench (web UI and OpenAI-compatible API).",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--settings", type=Path, help="Settings file to read instead of user_data/settings.yaml.")
+    for name, info in Settings.model_fields.items():
+        inner, is_list = _base_type(info.annotation)
+        help_text = info.description or ""
+        default = info.get_default(call_default_factory=True)
+        if default not in (None, [], False):
+            help_text += f" (default: {' '.join(map(str, default)) if isinstance(default, list) else default})"
+        if inner is bool:
+            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, help=help_text)
+        elif is_list:
+            parser.add_argument(_flag(name), nargs="*", metavar=name.upper(), help=help_text)
+        else:
+            kind = {int: int, float: float, Path: Path}.get(inner, str)
+            parser.add_argument(_flag(name), type=kind, metavar=name.upper(), help=help_text)
+    return parser
+
+
+def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, info in Settings.model_fields.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        inner, is_list = _base_type(info.annotation)
+        if is_list:
+            values[name] = [v for v in raw.replace(",", " ").split() if v]
+        elif inner is bool:
+            values[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            values[name] = raw
+    return values
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML mapping; an empty file is an empty mapping."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"{path}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: expected a mapping of setting names to values")
+    return data
+
+
+def _split_yaml(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+    """Split settings.yaml into schema fields, extension params ('name-key') and other keys."""
+    fields: dict[str, Any] = {}
+    ext: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key)
+        norm = key.replace("-", "_")
+        if norm in Settings.model_fields:
+            fields[norm] = value
+        elif "-" in key:
+            ext_name, _, param = key.partition("-")
+            ext.setdefault(ext_name, {})[param] = value
+        else:
+            extra[key] = value
+    return fields, ext, extra
+
+
+def _validate(values: dict[str, Any], source: str) -> Settings:
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{_flag(str(err['loc'][0])) if err['loc'] else source}: {err['msg']}" for err in exc.errors()
+        )
+        raise SettingsError(f"invalid settings ({source}): {problems}") from exc
+
+
+def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> LoadedSettings:
+    """Merge defaults, the settings file, the environment and the command line, in that order."""
+    env = os.environ if env is None else env
+    cli = vars(build_parser().parse_args(list(argv) if argv is not None else None))
+    settings_file = cli.pop("settings", None)
+    user_data = Path(cli.get("user_data_dir") or env.get(ENV_PREFIX + "USER_DATA_DIR") or "user_data")
+    if settings_file is None and (user_data / "settings.yaml").is_file():
+        settings_file = user_data / "settings.yaml"
+    elif settings_file is not None and not Path(settings_file).is_file():
+        raise SettingsError(f"settings file {settings_file} does not exist")
+
+    file_fields: dict[str, Any] = {}
+    ext_params: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
+    if settings_file is not None:
+        file_fields, ext_params, extra = _split_yaml(read_yaml(Path(settings_file)), Path(settings_file))
+        _validate(file_fields, str(settings_file))
+    env_fields = _env_values(env)
+    _validate({**file_fields, **env_fields}, "environment")
+    merged = {**file_fields, **env_fields, **cli}
+    settings = _validate(merged, "command line")
+    return LoadedSettings(
+        settings=settings,
+        explicit=frozenset(env_fields) | frozenset(cli),
+        extension_params=ext_params,
+        extra=extra,
+        settings_file=Path(settings_file) if settings_file else None,
+    )

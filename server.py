@@ -1,0 +1,112 @@
+"""textgen entry point: settings -> shared.init -> extensions -> app -> uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from modules import extensions, models, shared
+from modules.errors import TextgenError
+from modules.logging_setup import setup_logging
+from modules.settings import SettingsError, load_settings
+
+log = logging.getLogger("textgen")
+
+
+def health() -> JSONResponse:
+    """200 when a model is loaded and ready, 503 while one loads or when none is."""
+    if shared.model is not None:
+        return JSONResponse({"status": "ok", "model": shared.model_name})
+    if shared.loading_model:
+        return JSONResponse({"status": "loading", "model": shared.loading_model}, status_code=503)
+    return JSONResponse({"status": "no model loaded", "error": shared.load_error}, status_code=503)
+
+
+def create_app() -> FastAPI:
+    """The FastAPI app: extension routes (the OpenAI API among them), then the web UI at /."""
+    app = FastAPI(title="textgen", docs_url=None, redoc_url=None)
+    app.add_api_route("/health", health, methods=["GET"], include_in_schema=False)
+    extensions.collect("api_routes", app=app)
+    if not shared.settings.nowebui:
+        import gradio as gr
+
+        from modules.ui.app import build_ui, custom_css, custom_js
+
+        auth = shared.settings.auth_pairs() or None
+        app = gr.mount_gradio_app(
+            app,
+            build_ui(),
+            path="",
+            auth=auth,
+            css=custom_css(),
+            js=custom_js(),
+            footer_links=[],
+            run_history=False,
+            ssr_mode=False,
+            show_error=True,
+        )
+    return app
+
+
+def load_startup_model(name: str) -> None:
+    """Load the startup model; on failure log why and keep serving."""
+    started = time.perf_counter()
+    try:
+        models.load_model(name)
+    except TextgenError as exc:
+        shared.loading_model, shared.load_error = None, str(exc)
+        log.error("Could not load %s: %s", name, exc)
+        return
+    log.info("Model %s ready in %.2f s", name, time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until interrupted."""
+    try:
+        loaded = load_settings(argv)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    settings = loaded.settings
+    setup_logging(settings.verbose)
+    shared.init(loaded)
+    extensions.load_extensions(settings.extensions)
+    try:
+        app = create_app()
+    except SettingsError as exc:
+        log.error("%s", exc)
+        return 2
+
+    import uvicorn
+
+    if settings.model and settings.model.lower() != "none":
+        shared.loading_model = settings.model
+        threading.Thread(target=load_startup_model, args=(settings.model,), name="model-load", daemon=True).start()
+    else:
+        log.info("Starting without a model (load one in the Model tab)")
+    host = settings.host
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    what = "API" if settings.nowebui else "web UI and API"
+    log.info("Serving the %s on http://%s:%d", what, shown, settings.listen_port)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=settings.listen_port,
+        log_level="debug" if settings.verbose else "warning",
+        timeout_graceful_shutdown=2,
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
