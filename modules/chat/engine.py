@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from modules.chat.prompt import fit_messages
+from modules.chat.prompt import ChatOptions, build_chat_prompt
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import GenerationStats, current_model, generate_reply
 
@@ -26,25 +26,29 @@ def stream_reply(
     history: list[Message],
     params: GenerationParams,
     *,
+    options: ChatOptions | None = None,
     system: str | None = None,
     cancel: threading.Event | None = None,
     key: str | None = None,
 ) -> Iterator[ChatUpdate]:
-    """Generate the assistant's reply to ``history`` (which ends with the user's message)."""
+    """Generate the assistant's reply to ``history`` (or continue its last assistant message)."""
     backend = current_model()
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": m["role"], "content": m["content"]} for m in history
-    ]
-    prompt, _ = fit_messages(backend, messages, params.max_new_tokens)
-    reply = ""
-    for delta in generate_reply(prompt, params, cancel=cancel, key=key, backend=backend):
+    options = options or ChatOptions(system=system)
+    chat = build_chat_prompt(backend, history, options, params.max_new_tokens)
+    continuing = options.continue_last and bool(history) and history[-1]["role"] == "assistant"
+    base = history[:-1] if continuing else history
+    params = params.replace(stop=[*params.stop, *chat.stop])
+    reply = chat.reply_prefix
+    for delta in generate_reply(chat.prompt, params, cancel=cancel, key=key, backend=backend):
         reply += delta.text
-        yield ChatUpdate(history + [{"role": "assistant", "content": reply}], delta.stats)
+        yield ChatUpdate(
+            [*base, {"role": "assistant", "content": reply.lstrip() if not continuing else reply}], delta.stats
+        )
 
 
 def send(history: list[Message], text: str, params: GenerationParams, **kwargs: Any) -> Iterator[ChatUpdate]:
     """Add the user's message and stream the reply."""
-    history = history + [{"role": "user", "content": text}]
+    history = [*history, {"role": "user", "content": text}]
     yield ChatUpdate(history)
     yield from stream_reply(history, params, **kwargs)
 
@@ -57,3 +61,9 @@ def regenerate(history: list[Message], params: GenerationParams, **kwargs: Any) 
         return
     yield ChatUpdate(history)
     yield from stream_reply(history, params, **kwargs)
+
+
+def continue_reply(history: list[Message], params: GenerationParams, **kwargs: Any) -> Iterator[ChatUpdate]:
+    """Extend the last assistant message."""
+    options = kwargs.pop("options", None) or ChatOptions(system=kwargs.pop("system", None))
+    yield from stream_reply(history, params, options=replace(options, continue_last=True), **kwargs)

@@ -1,11 +1,57 @@
-"""Build a chat prompt from messages with the model's template, truncated to fit the context."""
+"""Build chat prompts: instruct, chat and chat-instruct modes, truncated to fit the context.
+
+- ``instruct``: the history rendered with the instruction template (the model's own unless one is named).
+- ``chat``: a transcript ``Name: message`` under the character's context; the model continues as the character.
+- ``chat-instruct``: the chat transcript wrapped in a command, sent as one user turn through the instruction
+  template; the reply starts with the character's name.
+
+When the history does not fit, the oldest turns are dropped first; system messages, the character context and
+the newest message always stay.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from modules.chat.templates import render
+from modules.chat.characters import DEFAULT_CHARACTER, Character, load_character
+from modules.chat.templates import load_instruction_template, render
+from modules.errors import InvalidRequest
 from modules.loaders.base import Backend
+
+MODES = ("instruct", "chat", "chat-instruct")
+DEFAULT_CHAT_INSTRUCT_COMMAND = (
+    'Continue the chat dialogue below. Write a single reply for the character "<|character|>".\n\n<|prompt|>'
+)
+Message = dict[str, Any]
+
+
+@dataclass
+class ChatOptions:
+    """How to turn a history into a prompt."""
+
+    mode: str = "instruct"
+    character: str | None = None  # a file in user_data/characters (chat modes; default: Assistant)
+    user_name: str = "You"
+    user_bio: str = ""  # the user persona, added to the context in chat modes
+    system: str | None = None  # system message (instruct mode)
+    instruction_template: str | None = None  # a name in user_data/instruction-templates; None: the model's
+    chat_instruct_command: str = DEFAULT_CHAT_INSTRUCT_COMMAND
+    continue_last: bool = False  # extend the last assistant message instead of starting a new one
+    start_with: str = ""  # text the new reply starts with
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. tools
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered prompt and what generation needs to know about it."""
+
+    prompt: str
+    stop: list[str]  # stop strings the mode needs (the user's name in chat modes)
+    reply_prefix: str  # text already at the end of the prompt that belongs to the reply (start_with, continue)
+    kept: int  # how many history messages fit
+    character: Character | None = None
 
 
 def model_template(backend: Backend) -> str | None:
@@ -14,9 +60,15 @@ def model_template(backend: Backend) -> str | None:
     return str(override) if override else backend.metadata.chat_template
 
 
+def instruction_template(backend: Backend, name: str | None) -> str | None:
+    """A named user template, the per-model ``instruction_template`` setting, or the model's own."""
+    name = name or backend.metadata.extra.get("instruction_template")
+    return load_instruction_template(str(name)) if name else model_template(backend)
+
+
 def render_messages(
     backend: Backend,
-    messages: list[dict[str, Any]],
+    messages: list[Message],
     *,
     template: str | None = None,
     add_generation_prompt: bool = True,
@@ -33,35 +85,102 @@ def render_messages(
     )
 
 
-def fit_messages(
-    backend: Backend,
-    messages: list[dict[str, Any]],
-    max_new_tokens: int,
-    *,
-    template: str | None = None,
-    **extra: Any,
-) -> tuple[str, list[dict[str, Any]]]:
-    """Render the prompt, dropping the oldest turns (never system messages or the last one) until it fits.
+def _continue(backend: Backend, template: str | None, messages: list[Message], **extra: Any) -> str:
+    """Render so that the last (assistant) message stays open for the model to continue."""
+    text = render_messages(backend, messages, template=template, add_generation_prompt=False, **extra)
+    last = str(messages[-1]["content"])
+    cut = text.rfind(last) if last else -1
+    return text[: cut + len(last)] if cut >= 0 else text
 
-    Returns the prompt and the messages it holds. If even the last turn does not fit, the prompt is
-    returned as is and the pipeline reports the overflow.
+
+def _substitute(text: str, character: Character, user: str) -> str:
+    return text.replace("{{char}}", character.name).replace("{{user}}", user)
+
+
+def _transcript(history: list[Message], character: Character, user: str, open_reply: bool) -> str:
+    lines = []
+    for i, message in enumerate(history):
+        name = character.name if message["role"] == "assistant" else user
+        is_open = open_reply and i == len(history) - 1 and message["role"] == "assistant"
+        lines.append(f"{name}: {message['content']}" + ("" if is_open else "\n"))
+    return "".join(lines)
+
+
+def _builder(
+    backend: Backend, options: ChatOptions
+) -> tuple[Callable[[list[Message]], str], list[str], Character | None]:
+    """A function rendering a (possibly shortened) history, the stop strings, and the character."""
+    if options.mode not in MODES:
+        raise InvalidRequest(f"mode must be one of {', '.join(MODES)}", param="mode")
+    extra = options.template_kwargs
+    if options.mode == "instruct":
+        template = instruction_template(backend, options.instruction_template)
+        system = [{"role": "system", "content": options.system}] if options.system else []
+
+        def build_instruct(history: list[Message]) -> str:
+            messages = system + history
+            if options.continue_last and history and history[-1]["role"] == "assistant":
+                return _continue(backend, template, messages, **extra)
+            return render_messages(backend, messages, template=template, **extra) + options.start_with
+
+        return build_instruct, [], None
+
+    character = load_character(options.character or DEFAULT_CHARACTER)
+    user = options.user_name or "You"
+    context = _substitute(character.context.strip(), character, user)
+    if options.user_bio.strip():
+        context += "\n" + _substitute(options.user_bio.strip(), character, user)
+    stops = [f"\n{user}:"]
+    open_reply = options.continue_last
+
+    if options.mode == "chat":
+
+        def build_chat(history: list[Message]) -> str:
+            body = _transcript(history, character, user, open_reply)
+            tail = "" if open_reply and history and history[-1]["role"] == "assistant" else f"{character.name}:"
+            prefix = " " + options.start_with if options.start_with and tail else options.start_with
+            return (context + "\n\n" if context else "") + body + tail + prefix
+
+        return build_chat, stops, character
+
+    template = instruction_template(backend, options.instruction_template)
+
+    def build_chat_instruct(history: list[Message]) -> str:
+        transcript = _transcript(history, character, user, False)
+        command = options.chat_instruct_command.replace("<|character|>", character.name)
+        command = command.replace("<|prompt|>", (context + "\n\n" if context else "") + transcript)
+        messages: list[Message] = [{"role": "user", "content": _substitute(command, character, user)}]
+        prompt = render_messages(backend, messages, template=template, **extra)
+        return prompt + f"{character.name}:" + (" " + options.start_with if options.start_with else "")
+
+    return build_chat_instruct, stops, character
+
+
+def fit_history(
+    backend: Backend, build: Callable[[list[Message]], str], history: list[Message], max_new_tokens: int
+) -> tuple[str, int]:
+    """Render with as many of the newest messages as fit, leaving room for the reply.
+
+    Returns the prompt and how many messages it keeps. If even the newest message does not fit, the
+    prompt is returned as is and the pipeline reports the overflow.
     """
     budget = backend.context_length - max(1, min(max_new_tokens, backend.context_length // 2))
-    droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+    keep_always = {i for i, m in enumerate(history) if m.get("role") == "system"}
+    droppable = [i for i in range(len(history) - 1) if i not in keep_always]
 
-    def attempt(cut: int) -> tuple[str, list[dict[str, Any]], bool]:
+    def attempt(cut: int) -> tuple[str, int, bool]:
         dropped = set(droppable[:cut])
-        kept = [m for i, m in enumerate(messages) if i not in dropped]
-        prompt = render_messages(backend, kept, template=template, **extra)
-        return prompt, kept, len(backend.encode(prompt)) <= budget
+        kept = [m for i, m in enumerate(history) if i not in dropped]
+        prompt = build(kept)
+        return prompt, len(kept), len(backend.encode(prompt)) <= budget
 
-    prompt, kept, fits = attempt(0)
-    if fits or not droppable:
-        return prompt, kept
-    low, high = 1, len(droppable)  # the fewest dropped turns that fit lies in [low, high]
-    best = attempt(high)
+    first = attempt(0)
+    if first[2] or not droppable:
+        return first[0], first[1]
+    best = attempt(len(droppable))
     if not best[2]:
         return best[0], best[1]
+    low, high = 1, len(droppable)  # the fewest dropped turns that fit lies in [low, high]
     while low < high:
         mid = (low + high) // 2
         trial = attempt(mid)
@@ -70,3 +189,14 @@ def fit_messages(
         else:
             low = mid + 1
     return best[0], best[1]
+
+
+def build_chat_prompt(
+    backend: Backend, history: list[Message], options: ChatOptions, max_new_tokens: int
+) -> ChatPrompt:
+    """The prompt for the next reply to ``history`` in the chosen mode, truncated to fit the context."""
+    build, stops, character = _builder(backend, options)
+    prompt, kept = fit_history(backend, build, history, max_new_tokens)
+    continuing = options.continue_last and bool(history) and history[-1]["role"] == "assistant"
+    prefix = str(history[-1]["content"]) if continuing else options.start_with
+    return ChatPrompt(prompt=prompt, stop=stops, reply_prefix=prefix, kept=kept, character=character)

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from modules import shared
 from modules.errors import ContextOverflow, InvalidRequest, ModelNotLoaded
@@ -77,7 +78,7 @@ def check_params(backend: Backend, params: GenerationParams, strict: bool) -> No
     log.info("%s; ignored for this generation", message)
 
 
-def generate_reply(
+def start_reply(
     prompt: str | list[int],
     params: GenerationParams,
     *,
@@ -86,10 +87,11 @@ def generate_reply(
     strict: bool = False,
     backend: Backend | None = None,
 ) -> Iterator[Delta]:
-    """Generate a reply to ``prompt`` (text or token ids), yielding text deltas and finally the stats.
+    """Check and submit a generation now; return the iterator of its deltas (the last one carries the stats).
 
-    ``cancel`` (or :func:`shared.stop_generation` with ``key``) ends the generation within one step.
-    Raises ContextOverflow before any delta when the prompt leaves no room for a reply.
+    Raises before returning when the request cannot run: ModelNotLoaded, InvalidRequest (a parameter the
+    backend does not support, with ``strict``), ContextOverflow, QueueFull. ``cancel`` (or
+    :func:`shared.stop_generation` with ``key``) ends the generation within one step.
     """
     backend = backend or current_model()
     check_params(backend, params, strict)
@@ -102,17 +104,27 @@ def generate_reply(
     run_params = params.replace(seed=seed, max_new_tokens=min(params.max_new_tokens, limit - len(prompt_ids)))
     if shared.settings.verbose and isinstance(prompt, str):
         log.debug("Prompt (%d tokens):\n%s", len(prompt_ids), prompt)
-
     cancel = cancel or threading.Event()
+    events = backend.generate(prompt_ids, run_params, cancel)
     key = key or uuid.uuid4().hex
     shared.register_generation(key, cancel)
     stats = GenerationStats(prompt_tokens=len(prompt_ids), seed=seed)
+    return _deltas(events, run_params, stats, cancel, key, started)
+
+
+def _deltas(
+    events: Iterator[TokenEvent],
+    run_params: GenerationParams,
+    stats: GenerationStats,
+    cancel: threading.Event,
+    key: str,
+    started: float,
+) -> Iterator[Delta]:
     utf8, stopper = Utf8Stream(), StopMatcher(run_params.stop)
     pending: list[tuple[TokenEvent, int, int]] = []  # token, start and end offsets in the decoded text
     decoded = released = 0
     first_token_at: float | None = None
     finish = "stop"  # "stop" also covers a matched stop string
-    events = backend.generate(prompt_ids, run_params, cancel)
     try:
         for event in events:
             if first_token_at is None:
@@ -155,6 +167,11 @@ def generate_reply(
         if close is not None:
             close()
         shared.unregister_generation(key)
+
+
+def generate_reply(prompt: str | list[int], params: GenerationParams, **kwargs: Any) -> Iterator[Delta]:
+    """Lazy form of :func:`start_reply`: nothing happens until the first delta is asked for."""
+    yield from start_reply(prompt, params, **kwargs)
 
 
 def generate_text(prompt: str | list[int], params: GenerationParams, **kwargs: object) -> tuple[str, GenerationStats]:

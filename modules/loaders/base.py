@@ -122,6 +122,21 @@ class Backend(ABC):
         """Remove one adapter, or all of them."""
         raise NotSupported(f"the {self.loader_name} backend cannot load LoRA adapters")
 
+    def score(self, prompt_ids: list[int], top: int = 0) -> list[tuple[float | None, list[tuple[int, float]]]]:
+        """For each prompt token, its log probability given the tokens before it and the ``top`` alternatives.
+
+        The first token has no context: ``(None, [])``.
+        """
+        raise NotSupported(f"the {self.loader_name} backend cannot score prompts")
+
+    def next_token_logprobs(self, prompt_ids: list[int], top: int) -> list[tuple[int, float]]:
+        """The ``top`` most likely next tokens after the prompt, with log probabilities (raw model output)."""
+        raise NotSupported(f"the {self.loader_name} backend cannot return logits")
+
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        """(prefix, suffix, middle) token ids for fill-in-the-middle, or None when the model has none."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Scheduler statistics (busy slots, queue depth, cache hits); empty when not applicable."""
         return {}

@@ -118,6 +118,8 @@ class LlamaCppBackend(Backend):
         self._options: dict[str, Any] = {}
         self._embed_ctx: LlamaContext | None = None
         self._embed_lock = threading.Lock()
+        self._score_ctx: LlamaContext | None = None
+        self._score_lock = threading.Lock()
         self._loras: dict[str, tuple[Any, float]] = {}
         self._stats = {"requests": 0, "prompt_tokens": 0, "cache_hit_tokens": 0, "cache_hits": 0, "steps": 0}
 
@@ -191,7 +193,12 @@ class LlamaCppBackend(Backend):
             bos_token_id=bos if bos >= 0 else None,
             eos_token_ids=list(self._eog),
             add_bos_token=bool(model.add_bos_token()),
-            extra={"description": model.desc(), "parameters": model.n_params(), "size": model.size()},
+            extra={
+                "description": model.desc(),
+                "parameters": model.n_params(),
+                "size": model.size(),
+                "n_vocab": self._n_vocab,
+            },
         )
 
     def unload(self) -> None:
@@ -208,10 +215,10 @@ class LlamaCppBackend(Backend):
         for adapter, _ in self._loras.values():
             llama_cpp.llama_adapter_lora_free(adapter)
         self._loras.clear()
-        for obj in (self._embed_ctx, self._batch, self._ctx, self._model):
+        for obj in (self._embed_ctx, self._score_ctx, self._batch, self._ctx, self._model):
             if obj is not None:
                 obj.close()
-        self._embed_ctx = self._batch = self._ctx = self._model = None
+        self._embed_ctx = self._score_ctx = self._batch = self._ctx = self._model = None
 
     # ---------------------------------------------------------------- tokens
     @property
@@ -227,6 +234,11 @@ class LlamaCppBackend(Backend):
         return list(self._require_model().tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
 
     def decode(self, ids: list[int]) -> str:
+        bad = [t for t in ids if not 0 <= t < self._n_vocab]
+        if bad:
+            raise InvalidRequest(
+                f"token id {bad[0]} is outside the vocabulary (0..{self._n_vocab - 1})", param="tokens"
+            )
         return b"".join(self.token_piece(t, special=True) for t in ids).decode("utf-8", errors="replace")
 
     def token_piece(self, token_id: int, special: bool = False) -> bytes:
@@ -452,6 +464,72 @@ class LlamaCppBackend(Backend):
             finally:
                 batch.close()
             return vectors
+
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        vocab = self._require_model().vocab
+        ids = (
+            llama_cpp.llama_vocab_fim_pre(vocab),
+            llama_cpp.llama_vocab_fim_suf(vocab),
+            llama_cpp.llama_vocab_fim_mid(vocab),
+        )
+        return None if any(t < 0 for t in ids) else ids
+
+    def _log_softmax_rows(self, prompt_ids: list[int], rows: set[int]) -> dict[int, np.ndarray]:
+        """Log-probability rows for some positions of the prompt, from a scoring context."""
+        model = self._require_model()
+        if len(prompt_ids) > self._n_ctx:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {self._n_ctx}", param="prompt"
+            )
+        step = min(self._n_batch, self._n_ctx)
+        out: dict[int, np.ndarray] = {}
+        with self._score_lock:
+            if self._score_ctx is None:
+                params = llama_cpp.llama_context_default_params()
+                params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = self._n_ctx, step, step, 1
+                params.n_threads = params.n_threads_batch = int(self._options.get("threads") or default_threads())
+                params.no_perf = True
+                self._score_ctx = LlamaContext(model=model, params=params, verbose=False)
+            ctx = self._score_ctx
+            ctx.kv_cache_clear()
+            holder = LlamaBatch(n_tokens=step, embd=0, n_seq_max=1, verbose=False)
+            try:
+                batch = holder.batch
+                for start in range(0, len(prompt_ids), step):
+                    chunk = prompt_ids[start : start + step]
+                    for j, token in enumerate(chunk):
+                        batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
+                        batch.seq_id[j][0], batch.logits[j] = 0, (start + j) in rows
+                    batch.n_tokens = len(chunk)
+                    if llama_cpp.llama_decode(ctx.ctx, batch) != 0:
+                        raise RuntimeError("llama_decode failed while scoring")
+                    for j in range(len(chunk)):
+                        if start + j in rows:
+                            logits = np.ctypeslib.as_array(
+                                llama_cpp.llama_get_logits_ith(ctx.ctx, j), shape=(self._n_vocab,)
+                            )
+                            row = logits.astype(np.float64)
+                            top_value = float(row.max())
+                            out[start + j] = row - (top_value + math.log(float(np.exp(row - top_value).sum())))
+            finally:
+                holder.close()
+        return out
+
+    def score(self, prompt_ids: list[int], top: int = 0) -> list[tuple[float | None, list[tuple[int, float]]]]:
+        rows = self._log_softmax_rows(prompt_ids, set(range(len(prompt_ids) - 1)))
+        result: list[tuple[float | None, list[tuple[int, float]]]] = [(None, [])]
+        for pos in range(len(prompt_ids) - 1):
+            row = rows[pos]
+            alternatives = [(int(t), float(row[t])) for t in np.argsort(-row)[:top]] if top else []
+            result.append((float(row[prompt_ids[pos + 1]]), alternatives))
+        return result
+
+    def next_token_logprobs(self, prompt_ids: list[int], top: int) -> list[tuple[int, float]]:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        last = len(prompt_ids) - 1
+        row = self._log_softmax_rows(prompt_ids, {last})[last]
+        return [(int(t), float(row[t])) for t in np.argsort(-row)[:top]]
 
     def _apply_loras(self) -> None:
         assert self._ctx is not None

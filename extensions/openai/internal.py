@@ -1,0 +1,205 @@
+"""Model listing and text-generation-webui's internal API (same paths and bodies, so its clients work)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+from fastapi import Request
+from pydantic import Field
+
+from extensions.openai import core
+from extensions.openai.errors import APIError
+from extensions.openai.protocol import ChatCompletionRequest, _Base
+from modules import models, shared
+from modules.embeddings import MODEL_NAME
+from modules.errors import InvalidRequest, ModelNotLoaded
+from modules.paths import UnsafePath, safe_child
+
+_CREATED = int(time.time())
+
+
+def _model_card(name: str, owned_by: str = "textgen") -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": _CREATED, "owned_by": owned_by}
+
+
+def list_models() -> dict[str, Any]:
+    """GET /v1/models: the local models, then the embedding model."""
+    names = models.model_names()
+    if shared.model_name and shared.model_name not in names:
+        names.insert(0, shared.model_name)
+    data = [_model_card(n) for n in names] + [_model_card(MODEL_NAME, "sentence-transformers")]
+    return {"object": "list", "data": data}
+
+
+def get_model(model_id: str) -> dict[str, Any]:
+    """GET /v1/models/{id}: 404 when there is no such model."""
+    if model_id == MODEL_NAME:
+        return _model_card(MODEL_NAME, "sentence-transformers")
+    if model_id == shared.model_name or model_id in models.model_names() or core._local_match(model_id):
+        return _model_card(model_id)
+    raise APIError(
+        404,
+        f"The model '{model_id}' does not exist",
+        type_="invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def model_info() -> dict[str, Any]:
+    """GET /v1/internal/model/info"""
+    return {
+        "model_name": shared.model_name or "None",
+        "lora_names": list(shared.loras),
+        "loader": shared.model_options.get("loader") if shared.model else None,
+        "context_length": shared.model.context_length if shared.model else None,
+    }
+
+
+def model_list() -> dict[str, Any]:
+    """GET /v1/internal/model/list"""
+    return {"model_names": models.model_names()}
+
+
+class LoadModelRequest(_Base):
+    model_name: str = Field(min_length=1)
+    args: dict[str, Any] | None = None
+    settings: dict[str, Any] | None = None
+
+
+async def load_model(req: LoadModelRequest) -> dict[str, str]:
+    """POST /v1/internal/model/load: unload the current model, load this one with optional per-load settings."""
+    overrides = dict(req.args or {})
+    models.find_model(req.model_name)  # 404 before anything is unloaded
+    await anyio.to_thread.run_sync(lambda: models.load_model(req.model_name, overrides))
+    if req.settings:
+        shared.ui_defaults.update(req.settings)
+    return {"status": "OK", "model_name": shared.model_name or ""}
+
+
+async def unload_model() -> dict[str, str]:
+    """POST /v1/internal/model/unload"""
+    await anyio.to_thread.run_sync(models.unload_model)
+    return {"status": "OK"}
+
+
+def lora_list() -> dict[str, Any]:
+    """GET /v1/internal/lora/list"""
+    folder = shared.loras_dir()
+    names = (
+        sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and p.name != "README.md")
+        if folder.is_dir()
+        else []
+    )
+    return {"lora_names": names}
+
+
+class LoraRequest(_Base):
+    lora_names: list[str] = Field(min_length=1)
+    lora_weights: list[float] | None = None
+
+
+async def lora_load(req: LoraRequest) -> dict[str, str]:
+    """POST /v1/internal/lora/load: apply these adapters (replacing the current ones)."""
+    backend = shared.model
+    if backend is None:
+        raise ModelNotLoaded()
+    weights = req.lora_weights or [1.0] * len(req.lora_names)
+    if len(weights) != len(req.lora_names):
+        raise InvalidRequest("lora_weights must have one weight per LoRA", param="lora_weights")
+    paths = []
+    for name in req.lora_names:
+        try:
+            path = safe_child(shared.loras_dir(), name)
+        except UnsafePath as exc:
+            raise InvalidRequest(f"invalid LoRA name: {exc}", param="lora_names") from exc
+        if not path.exists():
+            raise APIError(
+                404, f"LoRA {name!r} is not in {shared.loras_dir()}", param="lora_names", code="lora_not_found"
+            )
+        paths.append(path)
+
+    def apply() -> None:
+        if shared.loras:
+            backend.unload_lora(None)
+        shared.loras = []
+        for name, path, weight in zip(req.lora_names, paths, weights, strict=True):
+            backend.load_lora(path, weight)
+            shared.loras.append(name)
+
+    await anyio.to_thread.run_sync(apply)
+    return {"status": "OK"}
+
+
+async def lora_unload() -> dict[str, str]:
+    """POST /v1/internal/lora/unload"""
+    backend = shared.model
+    if backend is not None and shared.loras:
+        await anyio.to_thread.run_sync(backend.unload_lora, None)
+    shared.loras = []
+    return {"status": "OK"}
+
+
+class TextRequest(_Base):
+    text: str
+
+
+class TokensRequest(_Base):
+    tokens: list[int]
+
+
+def encode(req: TextRequest) -> dict[str, Any]:
+    """POST /v1/internal/encode"""
+    tokens = core.current_model().encode(req.text)
+    return {"tokens": tokens, "length": len(tokens)}
+
+
+def decode(req: TokensRequest) -> dict[str, str]:
+    """POST /v1/internal/decode"""
+    backend = core.current_model()
+    vocab = backend.metadata.extra.get("n_vocab")
+    if vocab and any(not 0 <= t < vocab for t in req.tokens):
+        raise InvalidRequest(f"token ids must be between 0 and {vocab - 1}", param="tokens")
+    return {"text": backend.decode(req.tokens)}
+
+
+def token_count(req: TextRequest) -> dict[str, int]:
+    """POST /v1/internal/token-count"""
+    return {"length": len(core.current_model().encode(req.text))}
+
+
+def stop_generation() -> dict[str, str]:
+    """POST /v1/internal/stop-generation: cancel every running generation."""
+    shared.stop_generation()
+    return {"status": "OK"}
+
+
+class LogitsRequest(_Base):
+    prompt: str
+    top_logits: int = Field(50, ge=1, le=1000)
+    use_samplers: bool = False
+
+
+async def logits(req: LogitsRequest) -> dict[str, float]:
+    """POST /v1/internal/logits: the most likely next tokens and their probabilities."""
+    if req.use_samplers:
+        raise InvalidRequest(
+            "use_samplers is not supported; the raw model distribution is returned", param="use_samplers"
+        )
+    import math
+
+    from modules.generation.pipeline import encode_prompt
+
+    backend = core.current_model()
+    ids = encode_prompt(backend, req.prompt)
+    pairs = await anyio.to_thread.run_sync(backend.next_token_logprobs, ids, req.top_logits)
+    return {backend.decode([t]): math.exp(lp) for t, lp in pairs}
+
+
+async def chat_prompt(req: ChatCompletionRequest, request: Request) -> dict[str, str]:
+    """POST /v1/internal/chat-prompt: the prompt a chat completion request would be given."""
+    backend = await core.serving_backend(request, None)
+    job = await anyio.to_thread.run_sync(core.prepare_chat, req, backend)
+    return {"prompt": job.prompt}

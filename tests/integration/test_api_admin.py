@@ -1,0 +1,241 @@
+"""API keys, admin endpoints, model load/unload, 503s, disconnects, CORS, Responses, Messages and internal API."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import DEFAULT_MODEL, default_model_path
+
+CAPITAL = [
+    {"role": "system", "content": "You are a helpful AI assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+def test_api_key_and_admin_key(live_server_factory, tmp_path: Path) -> None:
+    server = live_server_factory(
+        "--api-key", "sk-user", "--admin-key", "sk-admin", "--user-data-dir", str(tmp_path / "ud")
+    )
+    url = server.url
+    assert httpx.get(url + "/health").status_code == 200  # public
+    no_key = httpx.get(url + "/v1/models")
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-user"}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"x-api-key": "sk-user"}).status_code == 200
+    user = openai.OpenAI(base_url=url + "/v1", api_key="sk-user", max_retries=0)
+    assert (
+        "Paris"
+        in user.chat.completions.create(model="m", messages=CAPITAL, temperature=0, max_tokens=30)
+        .choices[0]
+        .message.content
+    )
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    forbidden = httpx.post(url + "/v1/internal/model/unload", headers={"Authorization": "Bearer sk-user"})
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["type"] == "permission_error"
+    assert httpx.post(url + "/v1/internal/model/unload").status_code == 401
+    assert (
+        httpx.post(url + "/v1/internal/model/unload", headers={"Authorization": "Bearer sk-admin"}).status_code == 200
+    )
+    metrics = httpx.get(url + "/metrics", headers={"x-api-key": "sk-user"}).text
+    assert 'textgen_requests_total{endpoint="/models",status="401"}' in metrics
+
+
+def test_model_load_unload_and_503_without_a_model(live_server_factory, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / DEFAULT_MODEL).symlink_to(default_model_path())
+    (models / "broken.gguf").write_bytes(b"GGUF" + b"\x00" * 64)
+    server = live_server_factory(
+        "--model", "none", "--model-dir", str(models), "--user-data-dir", str(tmp_path / "ud"), want_model=False
+    )
+    url = server.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    assert httpx.get(url + "/health").status_code == 503
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=CAPITAL)
+    assert info.value.status_code == 503 and info.value.body["code"] == "model_not_loaded"
+    assert httpx.post(url + "/v1/internal/model/load", json={"model_name": "nope.gguf"}).status_code == 404
+    broken = httpx.post(url + "/v1/internal/model/load", json={"model_name": "broken.gguf"})
+    assert broken.status_code == 400 and "broken.gguf" in broken.json()["error"]["message"]
+    assert httpx.post(url + "/v1/internal/model/load", json={}).status_code == 400
+    loaded = httpx.post(
+        url + "/v1/internal/model/load", json={"model_name": DEFAULT_MODEL, "args": {"n_ctx": 1024}}, timeout=60
+    )
+    assert loaded.status_code == 200, loaded.text
+    info_body = httpx.get(url + "/v1/internal/model/info").json()
+    assert (
+        info_body["model_name"] == DEFAULT_MODEL
+        and info_body["loader"] == "llama.cpp"
+        and info_body["context_length"] == 1024
+    )
+    assert httpx.get(url + "/v1/internal/model/list").json() == {"model_names": ["broken.gguf", DEFAULT_MODEL]}
+    assert (
+        "Paris"
+        in client.chat.completions.create(model="gpt-4o", messages=CAPITAL, temperature=0, max_tokens=30)
+        .choices[0]
+        .message.content
+    )
+    assert httpx.post(url + "/v1/internal/model/unload").status_code == 200
+    assert httpx.get(url + "/health").status_code == 503
+    # a request naming a local model loads it
+    reply = client.chat.completions.create(
+        model=DEFAULT_MODEL.removesuffix(".gguf"), messages=CAPITAL, temperature=0, max_tokens=30
+    )
+    assert "Paris" in reply.choices[0].message.content and httpx.get(url + "/health").status_code == 200
+
+
+def test_internal_endpoints(shared_server) -> None:
+    url = shared_server.url + "/v1/internal"
+    encoded = httpx.post(url + "/encode", json={"text": "Hello world"}).json()
+    assert encoded["length"] == len(encoded["tokens"]) > 0
+    assert httpx.post(url + "/decode", json={"tokens": encoded["tokens"]}).json() == {"text": "Hello world"}
+    assert httpx.post(url + "/decode", json={"tokens": [10**9]}).status_code == 400
+    assert httpx.post(url + "/token-count", json={"text": "Hello world"}).json() == {"length": encoded["length"]}
+    logits = httpx.post(url + "/logits", json={"prompt": "The capital of France is", "top_logits": 5}).json()
+    assert len(logits) == 5 and 0 < sum(logits.values()) <= 1.0001
+    assert max(logits, key=logits.get).strip() == "Paris"
+    assert httpx.post(url + "/stop-generation").json() == {"status": "OK"}
+    assert httpx.get(url + "/lora/list").json() == {"lora_names": []}
+
+
+def test_disconnect_stops_generation(shared_server) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+        "max_tokens": 2000,
+        "stream": True,
+        "ban_eos": True,
+    }
+    with httpx.stream("POST", shared_server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for n, _ in enumerate(response.iter_lines()):
+            if n > 5:
+                break
+    deadline = time.monotonic() + 5
+    busy = None
+    while time.monotonic() < deadline:
+        metrics = httpx.get(shared_server.url + "/metrics").text
+        busy = next(line for line in metrics.splitlines() if line.startswith("textgen_busy_slots"))
+        if busy.endswith(" 0"):
+            break
+        time.sleep(0.1)
+    assert busy is not None and busy.endswith(" 0"), busy
+    assert "finish: cancelled" in shared_server.log()
+
+
+def test_full_queue_answers_503_with_retry_after(live_server_factory, tmp_path: Path) -> None:
+    server = live_server_factory("--parallel", "1", "--max-queue", "0", "--user-data-dir", str(tmp_path / "ud"))
+    body = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 300, "ban_eos": True}
+    results: list[int] = []
+    first = threading.Thread(
+        target=lambda: results.append(
+            httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).status_code
+        )
+    )
+    first.start()
+    time.sleep(1.0)
+    busy = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 5}, timeout=60)
+    first.join()
+    assert results == [200]
+    assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
+    assert busy.json()["error"]["code"] == "server_busy"
+
+
+def test_cors(live_server_factory, tmp_path: Path) -> None:
+    server = live_server_factory(
+        "--api-cors-origins",
+        "http://app.example",
+        "--model",
+        "none",
+        "--user-data-dir",
+        str(tmp_path / "ud"),
+        want_model=False,
+    )
+    preflight = httpx.options(
+        server.url + "/v1/chat/completions",
+        headers={
+            "Origin": "http://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
+    assert preflight.headers.get("access-control-allow-origin") == "http://app.example"
+    other = httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_responses_api(shared_server) -> None:
+    client = openai.OpenAI(base_url=shared_server.url + "/v1", api_key="x", max_retries=0)
+    reply = client.responses.create(
+        model="m",
+        instructions="You are a helpful AI assistant.",
+        input="What is the capital of France?",
+        temperature=0,
+        max_output_tokens=30,
+    )
+    assert "Paris" in reply.output_text and reply.status == "completed" and reply.usage.output_tokens > 0
+    events = list(client.responses.create(model="m", input="Say hello.", max_output_tokens=10, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas and deltas == events[-1].response.output_text
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    called = client.responses.create(
+        model="m", input="Weather in Rome?", tools=[tool], tool_choice="required", max_output_tokens=60
+    )
+    call = next(item for item in called.output if item.type == "function_call")
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="m", input="hi", previous_response_id="resp_123")
+
+
+def test_anthropic_messages(shared_server) -> None:
+    url = shared_server.url + "/v1/messages"
+    body = {
+        "model": "claude-x",
+        "max_tokens": 30,
+        "system": "You are a helpful AI assistant.",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+    }
+    reply = httpx.post(url, json=body, timeout=60).json()
+    assert reply["type"] == "message" and reply["model"] == "claude-x" and reply["stop_reason"] == "end_turn"
+    assert "Paris" in reply["content"][0]["text"] and reply["usage"]["output_tokens"] > 0
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][:2] == ["message_start", "content_block_start"] and events[-1][
+        "type"
+    ] == "message_stop"
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert text == reply["content"][0]["text"]
+    tool = {
+        "name": "get_weather",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    used = httpx.post(
+        url, json={**body, "tools": [tool], "tool_choice": {"type": "any"}, "max_tokens": 60}, timeout=60
+    ).json()
+    assert used["stop_reason"] == "tool_use" and used["content"][-1]["name"] == "get_weather"
+    bad = httpx.post(url, json={"model": "x", "messages": []}, timeout=60)
+    assert (
+        bad.status_code == 400
+        and bad.json()["type"] == "error"
+        and bad.json()["error"]["type"] == "invalid_request_error"
+    )
+    prefill = httpx.post(
+        url,
+        json={**body, "messages": [*body["messages"], {"role": "assistant", "content": "The capital of France is"}]},
+        timeout=60,
+    ).json()
+    assert "Paris" in prefill["content"][0]["text"]
