@@ -61,6 +61,9 @@ class Settings(BaseModel):
     )
     n_batch: int = Field(512, ge=1, description="Largest number of prompt tokens fed to the model in one step.")
     parallel: int = Field(4, ge=1, le=64, description="Generations that can run at the same time (slots).")
+    prompt_cache: bool = Field(
+        True, description="Reuse a slot's KV cache for the longest common prompt prefix (--no-prompt-cache: off)."
+    )
     max_queue: int = Field(
         64, ge=0, description="Requests that may wait for a free slot; beyond that the API answers 503."
     )

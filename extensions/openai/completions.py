@@ -236,11 +236,11 @@ async def _stream(
         choice = {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
         return sse({**meta, "object": "text_completion", "choices": [choice], **extra})
 
-    offsets = [0] * len(running.iterators)
+    offsets = [0] * len(running.builders)
     stats: list[GenerationStats] = []
     try:
         if req.echo:
-            for i in range(len(running.iterators)):
+            for i in range(len(running.builders)):
                 p = i // per_prompt
                 lp = echo_logprobs[p]
                 yield chunk(i, echo_text[p], lp.body() if lp else None)

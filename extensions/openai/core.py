@@ -9,7 +9,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -26,9 +27,9 @@ from modules import models, shared
 from modules.chat.prompt import ChatOptions, build_chat_prompt, instruction_template
 from modules.errors import InvalidRequest, ModelNotLoaded
 from modules.generation.params import GenerationParams
-from modules.generation.pipeline import Delta, GenerationStats, current_model, start_reply
+from modules.generation.pipeline import Delta, DeltaBuilder, GenerationStats, current_model, prepare
 from modules.generation.presets import load_preset
-from modules.loaders.base import Backend
+from modules.loaders.base import Backend, TokenEvent, TokenSink
 
 log = logging.getLogger(__name__)
 _switch_lock = asyncio.Lock()
@@ -303,33 +304,49 @@ class Item:
 
 @dataclass
 class Running:
-    """Generations started together (``n`` choices), with their cancel events."""
+    """Generations started together (``n`` choices): their event queue, delta builders and cancel events."""
 
-    iterators: list[Iterator[Delta]]
+    queue: asyncio.Queue[tuple[Any, TokenEvent | BaseException]]
+    builders: list[DeltaBuilder] = field(default_factory=list)
     cancels: list[threading.Event] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
 
     def cancel(self) -> None:
-        """Stop every generation."""
+        """Stop every generation and forget them (unfinished ones are logged as cancelled)."""
         for event in self.cancels:
             event.set()
+        for builder in self.builders:
+            if not builder.done:
+                builder.finish("cancelled")
+        for key in self.keys:
+            shared.unregister_generation(key)
 
 
 async def start(prompts: list[str | list[int]], params: list[GenerationParams], backend: Backend) -> Running:
-    """Submit every generation now (so errors come back before any response is sent)."""
+    """Check and submit every generation now (so errors come back before any response is sent).
 
-    def submit() -> Running:
-        running = Running(iterators=[])
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                cancel = threading.Event()
-                running.cancels.append(cancel)
-                running.iterators.append(start_reply(prompt, p, cancel=cancel, strict=True, backend=backend))
-        except BaseException:
-            running.cancel()
-            raise
-        return running
+    The backend hands the events to this event loop directly, several per wake-up; no thread per request.
+    """
+    loop = asyncio.get_running_loop()
+    running = Running(queue=asyncio.Queue())
 
-    return await anyio.to_thread.run_sync(submit)
+    def submit() -> None:
+        for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            prepared = prepare(prompt, p, backend, strict=True)
+            cancel = threading.Event()
+            backend.submit(prepared.prompt_ids, prepared.params, cancel, TokenSink(loop, running.queue, index))
+            key = uuid.uuid4().hex
+            shared.register_generation(key, cancel)
+            running.cancels.append(cancel)
+            running.keys.append(key)
+            running.builders.append(DeltaBuilder(prepared))
+
+    try:
+        await anyio.to_thread.run_sync(submit)
+    except BaseException:
+        running.cancel()
+        raise
+    return running
 
 
 def seeded(params: GenerationParams, n: int) -> list[GenerationParams]:
@@ -343,44 +360,35 @@ def seeded(params: GenerationParams, n: int) -> list[GenerationParams]:
 async def merge(running: Running, request: Request | None = None) -> AsyncIterator[Item]:
     """Yield the deltas of every running generation as they come, interleaved.
 
-    The generations run in worker threads. Leaving the loop (a streaming client that disconnects), or a
-    non-streaming ``request`` whose client goes away, cancels them all within one step.
+    Leaving the loop (a streaming client that disconnects), or a non-streaming ``request`` whose client goes
+    away, cancels them all within one step.
     """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Item | None] = asyncio.Queue()
-
-    def work(index: int, iterator: Iterator[Delta]) -> None:
-        try:
-            for delta in iterator:
-                loop.call_soon_threadsafe(queue.put_nowait, Item(index, delta))
-        except BaseException as exc:  # reported to the client as an error item
-            loop.call_soon_threadsafe(queue.put_nowait, Item(index, error=exc))
-        finally:
-            loop.call_soon_threadsafe(queue.put_nowait, None)
-
-    threads = [
-        threading.Thread(target=work, args=(i, it), name=f"api-generation-{i}", daemon=True)
-        for i, it in enumerate(running.iterators)
-    ]
-    for thread in threads:
-        thread.start()
-    remaining = len(threads)
+    remaining = len(running.builders)
     try:
         while remaining:
             if request is None:
-                item = await queue.get()
+                tag, event = await running.queue.get()
             else:
                 try:
-                    item = await asyncio.wait_for(queue.get(), timeout=0.25)
+                    tag, event = await asyncio.wait_for(running.queue.get(), timeout=0.25)
                 except TimeoutError:
                     if await request.is_disconnected():
                         log.info("client disconnected; generation cancelled")
                         running.cancel()
                     continue
-            if item is None:
-                remaining -= 1
+            builder = running.builders[tag]
+            if builder.done:
                 continue
-            yield item
+            if isinstance(event, BaseException):
+                builder.done = True
+                remaining -= 1
+                yield Item(tag, error=event)
+                continue
+            for delta in builder.feed(event):
+                yield Item(tag, delta)
+            if builder.done:
+                running.cancels[tag].set()  # a stop string ended it: free the slot
+                remaining -= 1
     finally:
         running.cancel()
 

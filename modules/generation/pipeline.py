@@ -78,6 +78,89 @@ def check_params(backend: Backend, params: GenerationParams, strict: bool) -> No
     log.info("%s; ignored for this generation", message)
 
 
+@dataclass
+class Prepared:
+    """A checked generation: its token ids and the parameters it runs with (seed resolved, length capped)."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    started: float
+
+
+def prepare(prompt: str | list[int], params: GenerationParams, backend: Backend, *, strict: bool = False) -> Prepared:
+    """Tokenize and check; raises InvalidRequest or ContextOverflow before anything runs."""
+    check_params(backend, params, strict)
+    started = time.perf_counter()
+    prompt_ids = encode_prompt(backend, prompt) if isinstance(prompt, str) else list(prompt)
+    limit = backend.context_length
+    if len(prompt_ids) >= limit:
+        raise ContextOverflow(len(prompt_ids), limit)
+    run_params = params.replace(
+        seed=params.resolved_seed(), max_new_tokens=min(params.max_new_tokens, limit - len(prompt_ids))
+    )
+    if shared.settings.verbose and isinstance(prompt, str):
+        log.debug("Prompt (%d tokens):\n%s", len(prompt_ids), prompt)
+    return Prepared(prompt_ids, run_params, started)
+
+
+class DeltaBuilder:
+    """Turns a backend's token events into text deltas: UTF-8 assembly, stop strings, logprob alignment, stats."""
+
+    def __init__(self, prepared: Prepared) -> None:
+        self.stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids), seed=prepared.params.seed)
+        self.started = prepared.started
+        self.utf8, self.stopper = Utf8Stream(), StopMatcher(prepared.params.stop)
+        self.pending: list[tuple[TokenEvent, int, int]] = []  # token, start and end offsets in the decoded text
+        self.decoded = self.released = 0
+        self.first_token_at: float | None = None
+        self.done = False
+
+    def feed(self, event: TokenEvent) -> list[Delta]:
+        """Deltas made by one event; the last one carries the stats once the generation is over."""
+        if self.done:
+            return []
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        out: list[Delta] = []
+        if event.token_id >= 0:
+            self.stats.new_tokens += 1
+            text = self.utf8.feed(event.piece)
+            self.pending.append((event, self.decoded, self.decoded + len(text)))
+            self.decoded += len(text)
+            shown, stopped = self.stopper.feed(text)
+            self.released += len(shown)
+            if stopped:
+                self.stats.stop_string = self.stopper.matched
+                out.append(Delta(shown, [t for t, start, _ in self.pending if start < self.released]))
+                self.pending.clear()
+                return [*out, self.finish("stop")]
+            if shown:
+                done = [t for t, _, end in self.pending if end <= self.released]
+                self.pending = [p for p in self.pending if p[2] > self.released]
+                out.append(Delta(shown, done))
+        if event.finish_reason:
+            out.append(self.finish(event.finish_reason))
+        return out
+
+    def finish(self, reason: str) -> Delta:
+        """The final delta: text still held back, remaining tokens, and the stats."""
+        self.done = True
+        tail = "" if self.stopper.stopped else self.stopper.flush() + self.utf8.flush()
+        if tail and self.stopper.stops:  # the flushed UTF-8 remainder can still complete a stop string
+            tail, _ = StopMatcher(self.stopper.stops).feed(tail)
+        stats = self.stats
+        now = time.perf_counter()
+        stats.total_time = now - self.started
+        stats.time_to_first_token = (self.first_token_at or now) - self.started
+        if self.first_token_at is not None and stats.new_tokens > 1 and now > self.first_token_at:
+            stats.tokens_per_second = (stats.new_tokens - 1) / (now - self.first_token_at)
+        stats.finish_reason = reason
+        log.info("Generated %s", stats.summary())
+        tokens = [t for t, _, _ in self.pending]
+        self.pending.clear()
+        return Delta(tail, tokens, stats)
+
+
 def start_reply(
     prompt: str | list[int],
     params: GenerationParams,
@@ -94,73 +177,22 @@ def start_reply(
     :func:`shared.stop_generation` with ``key``) ends the generation within one step.
     """
     backend = backend or current_model()
-    check_params(backend, params, strict)
-    started = time.perf_counter()
-    prompt_ids = encode_prompt(backend, prompt) if isinstance(prompt, str) else list(prompt)
-    limit = backend.context_length
-    if len(prompt_ids) >= limit:
-        raise ContextOverflow(len(prompt_ids), limit)
-    seed = params.resolved_seed()
-    run_params = params.replace(seed=seed, max_new_tokens=min(params.max_new_tokens, limit - len(prompt_ids)))
-    if shared.settings.verbose and isinstance(prompt, str):
-        log.debug("Prompt (%d tokens):\n%s", len(prompt_ids), prompt)
+    prepared = prepare(prompt, params, backend, strict=strict)
     cancel = cancel or threading.Event()
-    events = backend.generate(prompt_ids, run_params, cancel)
+    events = backend.generate(prepared.prompt_ids, prepared.params, cancel)
     key = key or uuid.uuid4().hex
     shared.register_generation(key, cancel)
-    stats = GenerationStats(prompt_tokens=len(prompt_ids), seed=seed)
-    return _deltas(events, run_params, stats, cancel, key, started)
+    return _deltas(events, DeltaBuilder(prepared), cancel, key)
 
 
-def _deltas(
-    events: Iterator[TokenEvent],
-    run_params: GenerationParams,
-    stats: GenerationStats,
-    cancel: threading.Event,
-    key: str,
-    started: float,
-) -> Iterator[Delta]:
-    utf8, stopper = Utf8Stream(), StopMatcher(run_params.stop)
-    pending: list[tuple[TokenEvent, int, int]] = []  # token, start and end offsets in the decoded text
-    decoded = released = 0
-    first_token_at: float | None = None
-    finish = "stop"  # "stop" also covers a matched stop string
+def _deltas(events: Iterator[TokenEvent], builder: DeltaBuilder, cancel: threading.Event, key: str) -> Iterator[Delta]:
     try:
         for event in events:
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            if event.token_id >= 0:
-                stats.new_tokens += 1
-                text = utf8.feed(event.piece)
-                pending.append((event, decoded, decoded + len(text)))
-                decoded += len(text)
-                out, stopped = stopper.feed(text)
-                released += len(out)
-                if stopped:
-                    stats.stop_string = stopper.matched
-                    yield Delta(out, [t for t, start, _ in pending if start < released])
-                    pending.clear()
-                    break
-                if out:
-                    done = [t for t, _, end in pending if end <= released]
-                    pending = [p for p in pending if p[2] > released]
-                    yield Delta(out, done)
-            if event.finish_reason:
-                finish = event.finish_reason
+            yield from builder.feed(event)
+            if builder.done:
                 break
-        else:
-            finish = "cancelled" if cancel.is_set() else "stop"
-        tail = "" if stopper.stopped else stopper.flush() + utf8.flush()
-        if tail and stopper.stops:  # the flushed UTF-8 remainder can still complete a stop string
-            tail, _ = StopMatcher(stopper.stops).feed(tail)
-        now = time.perf_counter()
-        stats.total_time = now - started
-        stats.time_to_first_token = (first_token_at or now) - started
-        if first_token_at is not None and stats.new_tokens > 1 and now > first_token_at:
-            stats.tokens_per_second = (stats.new_tokens - 1) / (now - first_token_at)
-        stats.finish_reason = finish
-        log.info("Generated %s", stats.summary())
-        yield Delta(tail, [t for t, _, _ in pending], stats)
+        if not builder.done:
+            yield builder.finish("cancelled" if cancel.is_set() else "stop")
     finally:
         cancel.set()  # a consumer that stops iterating (client gone) frees the slot
         close = getattr(events, "close", None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -37,6 +39,33 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[TopLogprob] | None = None
     finish_reason: str | None = None  # set on the last event: "stop" (EOS), "length", "cancelled", "context"
+
+
+@dataclass(eq=False)
+class TokenSink:
+    """Where a backend delivers an asynchronous consumer's events: ``(tag, event)`` into an asyncio queue.
+
+    Events for sinks in the same event loop are handed over with one wake-up per scheduler step.
+    """
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[tuple[Any, TokenEvent | BaseException]]
+    tag: Any = None
+
+
+def deliver(batch: list[tuple[TokenSink, TokenEvent | BaseException]]) -> None:
+    """Hand events to their sinks, one ``call_soon_threadsafe`` per event loop (safe from any thread)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[TokenSink, TokenEvent | BaseException]]] = {}
+    for sink, event in batch:
+        by_loop.setdefault(sink.loop, []).append((sink, event))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: its consumers are gone
+            loop.call_soon_threadsafe(_dispatch, items)
+
+
+def _dispatch(items: list[tuple[TokenSink, TokenEvent | BaseException]]) -> None:
+    for sink, event in items:
+        sink.queue.put_nowait((sink.tag, event))
 
 
 @dataclass
@@ -109,6 +138,23 @@ class Backend(ABC):
 
         The last event carries ``finish_reason``. May block while waiting for a free slot.
         """
+
+    def submit(self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event, sink: TokenSink) -> None:
+        """Start a generation whose events go to ``sink`` (for asyncio consumers).
+
+        Raises like :meth:`generate` before anything runs. This default runs :meth:`generate` in a thread;
+        backends with a scheduler deliver from it directly.
+        """
+        events = self.generate(prompt_ids, params, cancel)
+
+        def pump() -> None:
+            try:
+                for event in events:
+                    deliver([(sink, event)])
+            except BaseException as exc:
+                deliver([(sink, exc)])
+
+        threading.Thread(target=pump, name=f"{self.loader_name}-stream", daemon=True).start()
 
     def embed(self, texts: list[str]) -> list[list[float]]:
         """One embedding vector per text."""

@@ -28,11 +28,12 @@ from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
 from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFull
 from modules.generation.params import GenerationParams
-from modules.loaders.base import Backend, ModelMetadata, TokenEvent
+from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
 
 log = logging.getLogger(__name__)
 
+PREFILL_CHUNK_WHILE_DECODING = 128  # prompt tokens per step while other sequences are generating
 _backend_ready = False
 _backend_lock = threading.Lock()
 
@@ -63,6 +64,7 @@ class _Request:
     cancel: threading.Event
     sampler: RequestSampler
     out: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
+    sink: TokenSink | None = None  # asyncio consumers get events through this instead of ``out``
     n_fed: int = 0  # prompt tokens now in the KV cache
     generated: int = 0
     next_token: int | None = None  # sampled, to be fed at the next step
@@ -95,7 +97,9 @@ class LlamaCppBackend(Backend):
     supports_grammar = True
     supports_logprobs = True
     supports_embeddings = True
-    option_names = ("n_ctx", "threads", "threads_batch", "n_gpu_layers", "n_batch", "parallel", "max_queue")
+    option_names = (
+        "n_ctx", "threads", "threads_batch", "n_gpu_layers", "n_batch", "parallel", "max_queue", "prompt_cache"
+    )  # fmt: skip
     supported_params = SUPPORTED
 
     def __init__(self) -> None:
@@ -106,6 +110,7 @@ class LlamaCppBackend(Backend):
         self._n_ctx = 0
         self._n_batch = 512
         self._max_queue = 64
+        self._prompt_cache = True
         self._slots: list[_Slot] = []
         self._waiting: collections.deque[_Request] = collections.deque()
         self._cv = threading.Condition()
@@ -121,6 +126,7 @@ class LlamaCppBackend(Backend):
         self._score_ctx: LlamaContext | None = None
         self._score_lock = threading.Lock()
         self._loras: dict[str, tuple[Any, float]] = {}
+        self._outbox: list[tuple[TokenSink, TokenEvent | BaseException]] = []  # sink events of this step
         self._stats = {"requests": 0, "prompt_tokens": 0, "cache_hit_tokens": 0, "cache_hits": 0, "steps": 0}
 
     # ---------------------------------------------------------------- loading
@@ -166,6 +172,7 @@ class LlamaCppBackend(Backend):
         self._eog_set = frozenset(self._eog)
         max_queue = options.get("max_queue")
         self._max_queue = 64 if max_queue is None else int(max_queue)
+        self._prompt_cache = options.get("prompt_cache", True) is not False
         self._slots = [_Slot(seq_id=i) for i in range(parallel)]
         self.max_parallel = parallel
         self.metadata = self._read_metadata(path)
@@ -212,6 +219,7 @@ class LlamaCppBackend(Backend):
             if req is not None:
                 self._finish(req, "cancelled")
         self._waiting.clear()
+        self._flush()
         for adapter, _ in self._loras.values():
             llama_cpp.llama_adapter_lora_free(adapter)
         self._loras.clear()
@@ -252,6 +260,15 @@ class LlamaCppBackend(Backend):
         self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event
     ) -> Iterator[TokenEvent]:
         """Queue the request (QueueFull when slots and queue are full) and return its token stream."""
+        return self._stream(self._enqueue(prompt_ids, params, cancel, None))
+
+    def submit(self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event, sink: TokenSink) -> None:
+        """Queue the request; the scheduler hands its events to ``sink``, all of a step's at once."""
+        self._enqueue(prompt_ids, params, cancel, sink)
+
+    def _enqueue(
+        self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event, sink: TokenSink | None
+    ) -> _Request:
         model = self._require_model()
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -263,7 +280,7 @@ class LlamaCppBackend(Backend):
         grammar = params.grammar or (schema_to_grammar(params.json_schema) if params.json_schema is not None else None)
         sampler = RequestSampler(model.vocab, self._n_vocab, params, self._eog, self._n_ctx, grammar)
         sampler.accept_prompt(prompt_ids)
-        req = _Request(prompt=list(prompt_ids), params=params, cancel=cancel, sampler=sampler)
+        req = _Request(prompt=list(prompt_ids), params=params, cancel=cancel, sampler=sampler, sink=sink)
         with self._cv:
             if not self._running:
                 sampler.close()
@@ -274,7 +291,7 @@ class LlamaCppBackend(Backend):
                 raise QueueFull()
             self._waiting.append(req)
             self._cv.notify_all()
-        return self._stream(req)
+        return req
 
     def _stream(self, req: _Request) -> Iterator[TokenEvent]:
         try:
@@ -301,6 +318,17 @@ class LlamaCppBackend(Backend):
             return {**self._stats, "slots": len(self._slots), "busy_slots": busy, "queue_depth": len(self._waiting)}
 
     # ---------------------------------------------------------------- scheduler
+    def _send(self, req: _Request, item: TokenEvent | BaseException) -> None:
+        if req.sink is None:
+            req.out.put(item)
+        else:
+            self._outbox.append((req.sink, item))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            deliver(batch)
+
     def _finish(
         self, req: _Request, reason: str, slot: _Slot | None = None, token: int = -1, piece: bytes = b"", **extra: Any
     ) -> None:
@@ -312,7 +340,7 @@ class LlamaCppBackend(Backend):
             return
         req.done = True
         req.sampler.close()
-        req.out.put(TokenEvent(token_id=token, piece=piece, finish_reason=reason, **extra))
+        self._send(req, TokenEvent(token_id=token, piece=piece, finish_reason=reason, **extra))
 
     def _admit(self) -> None:
         """Move waiting requests into free slots, preferring the slot with the longest cached prefix."""
@@ -327,7 +355,7 @@ class LlamaCppBackend(Backend):
                 return
             self._waiting.popleft()
             best = max(free, key=lambda s: (_common_prefix(s.tokens, req.prompt), -s.last_used))
-            reuse = min(_common_prefix(best.tokens, req.prompt), len(req.prompt) - 1)
+            reuse = min(_common_prefix(best.tokens, req.prompt), len(req.prompt) - 1) if self._prompt_cache else 0
             assert self._ctx is not None
             if reuse < len(best.tokens):
                 if not self._ctx.kv_cache_seq_rm(best.seq_id, reuse, -1):
@@ -356,13 +384,15 @@ class LlamaCppBackend(Backend):
                 log.exception("llama.cpp step failed")
                 for slot in self._slots:
                     if slot.request is not None:
-                        slot.request.out.put(RuntimeError(f"generation failed: {exc}"))
+                        self._send(slot.request, RuntimeError(f"generation failed: {exc}"))
                         slot.request.done = True
                         slot.request.sampler.close()
                         slot.request = None
                     if self._ctx is not None:
                         self._ctx.kv_cache_seq_rm(slot.seq_id, 0, -1)
                     slot.tokens.clear()
+            finally:
+                self._flush()
 
     def _step(self) -> None:
         assert self._ctx is not None and self._batch is not None
@@ -384,11 +414,14 @@ class LlamaCppBackend(Backend):
                 req.next_token, req.batch_index = None, n
                 n += 1
                 active.append(slot)
-        for slot in self._slots:  # prefill in chunks with what is left of the batch
+        # Prefill in chunks with what is left of the batch; while other streams decode, a smaller chunk per step
+        # keeps their tokens flowing (a long prompt never freezes them for more than a short step).
+        budget = self._n_batch if n == 0 else min(self._n_batch, PREFILL_CHUNK_WHILE_DECODING + n)
+        for slot in self._slots:
             req = slot.request
             if req is None or req.batch_index >= 0 or req.n_fed >= len(req.prompt):
                 continue
-            room = self._n_batch - n
+            room = budget - n
             if room <= 0:
                 break
             chunk = req.prompt[req.n_fed : req.n_fed + room]
@@ -428,7 +461,7 @@ class LlamaCppBackend(Backend):
         if req.generated >= req.params.max_new_tokens or len(slot.tokens) + 1 >= self._n_ctx:
             self._finish(req, "length", slot, token=token, piece=piece, logprob=logprob, top_logprobs=tops)
             return
-        req.out.put(TokenEvent(token_id=token, piece=piece, logprob=logprob, top_logprobs=tops))
+        self._send(req, TokenEvent(token_id=token, piece=piece, logprob=logprob, top_logprobs=tops))
         req.next_token = token
 
     # ---------------------------------------------------------------- embeddings and LoRA

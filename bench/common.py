@@ -1,0 +1,144 @@
+"""Shared helpers for the benchmarks: start servers on 127.0.0.1, stream requests, summarise timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+RESULTS = ROOT / "bench" / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """A server process on 127.0.0.1 that is stopped on exit."""
+
+    def __init__(self, argv: list[str], port: int, health: str) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {Path(self.log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + health, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(Path(self.log.name).read_text()[-3000:])
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def textgen(*args: str) -> Server:
+    port = free_port()
+    user_data = tempfile.mkdtemp(prefix="bench-ud-")
+    argv = [sys.executable, "server.py", "--nowebui", "--listen-port", str(port), "--user-data-dir", user_data, *args]
+    return Server(argv, port, "/health")
+
+
+def llama_cpp_server(*args: str) -> Server:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(MODEL),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        *args,
+    ]
+    return Server(argv, port, "/v1/models")
+
+
+@dataclass
+class StreamResult:
+    """One streamed request: when it started, when its first token came, how many tokens, when it ended."""
+
+    started: float
+    first_token: float
+    ended: float
+    tokens: int
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.started
+
+
+def stream_completion(url: str, body: dict[str, Any], timeout: float = 300) -> StreamResult:
+    """POST a streaming /v1/completions request and count the chunks that carry text."""
+    started = time.perf_counter()
+    first = 0.0
+    tokens = 0
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("choices") and data["choices"][0].get("text"):
+                tokens += 1
+                if not first:
+                    first = time.perf_counter()
+    return StreamResult(started, first or time.perf_counter(), time.perf_counter(), tokens)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    k = (len(ordered) - 1) * q
+    low, high = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def machine() -> dict[str, Any]:
+    import psutil
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": psutil.cpu_count(logical=False),
+        "threads": psutil.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "system": platform.platform(),
+    }
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), **data}, indent=2))
+    return path

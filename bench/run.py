@@ -1,0 +1,112 @@
+"""`make bench`: run the benchmarks, print a table with both sides and the ratios, write bench/results/*.json
+and the table into docs/performance.md.
+
+    python -m bench.run                 # every benchmark
+    python -m bench.run single_stream   # some of them
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from bench import llama_engine
+from bench.common import ROOT, machine, write_result
+
+BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
+    "single_stream": llama_engine.single_stream,
+    "concurrency": llama_engine.concurrency,
+    "prompt_cache": llama_engine.prompt_cache,
+}
+DOC = ROOT / "docs" / "performance.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(benchmark, textgen, reference, ratio, target) rows for the table."""
+    if name == "single_stream":
+        return [
+            (
+                "1 stream, 128 tokens: tokens/s",
+                f"{r['textgen_tokens_per_s']:.1f}",
+                f"{r['raw_tokens_per_s']:.1f} (Llama.create_completion)",
+                f"{r['ratio']:.3f}",
+                r["target"],
+            )
+        ]
+    if name == "concurrency":
+        ours, peer = r["textgen"], r["llama_cpp_server"]
+        return [
+            (
+                f"{r['clients']} streams: aggregate tokens/s",
+                f"{ours['tokens_per_s']:.1f}",
+                f"{peer['tokens_per_s']:.1f} (llama_cpp.server)",
+                f"{r['ratio']:.2f}",
+                ">= 1.5",
+            ),
+            (
+                f"{r['clients']} streams: p95 time to first token",
+                f"{ours['p95_ttft_s']:.2f} s",
+                f"{peer['p95_ttft_s']:.2f} s (llama_cpp.server)",
+                f"{ours['p95_ttft_s'] / peer['p95_ttft_s']:.2f}",
+                "< 1",
+            ),
+        ]
+    if name == "prompt_cache":
+        return [
+            (
+                "3rd chat turn: time to first token",
+                f"{r['third_turn_ttft_with_cache_s'] * 1000:.0f} ms (cache)",
+                f"{r['third_turn_ttft_without_cache_s'] * 1000:.0f} ms (no cache)",
+                f"{r['ratio']:.2f}",
+                r["target"],
+            )
+        ]
+    return [(name, "", "", str(r.get("ratio", "")), str(r.get("target", "")))]
+
+
+def table(all_rows: list[tuple[str, str, str, str, str]]) -> str:
+    lines = ["| benchmark | textgen | reference | ratio | target |", "|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(row)} |" for row in all_rows]
+    return "\n".join(lines)
+
+
+def update_doc(text: str) -> None:
+    if not DOC.exists():
+        return
+    content = DOC.read_text()
+    if BEGIN in content and END in content:
+        head, _, rest = content.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        DOC.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    all_rows = []
+    for name in names:
+        print(f"running {name} ...", flush=True)
+        result = BENCHMARKS[name]()
+        path = write_result(name, result)
+        all_rows += rows(name, result)
+        print(f"  wrote {path.relative_to(ROOT)}")
+    m = machine()
+    text = table(all_rows)
+    header = (
+        f"Machine: {m['cpu']}, {m['cores']} cores / {m['threads']} threads, {m['memory_gb']} GiB, Python {m['python']}."
+    )
+    print()
+    print(header)
+    print(text)
+    if set(names) == set(BENCHMARKS):
+        update_doc(f"{header}\n\n{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,268 @@
+"""The llama.cpp engine: slots and batching, queue, prompt cache, the sampler chain, grammar, LoRA, embeddings."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+
+from modules import models
+from modules.chat.prompt import render_messages
+from modules.errors import InvalidRequest, ModelLoadError, QueueFull
+from modules.generation.params import GenerationParams
+from modules.generation.pipeline import generate_text, prepare
+from modules.lifecycle.gguf import read_header, write_lora_gguf
+from modules.loaders.base import Backend
+from tests.conftest import DEFAULT_MODEL, default_model_path
+
+PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.", "What is 2 + 2?"]
+
+
+def load(**overrides: object) -> Backend:
+    return models.load_model(DEFAULT_MODEL, dict(overrides))
+
+
+def chat_ids(backend: Backend, text: str) -> list[int]:
+    return prepare(render_messages(backend, [{"role": "user", "content": text}]), GenerationParams(), backend).prompt_ids
+
+
+def token_ids(backend: Backend, ids: list[int], params: GenerationParams, cancel: threading.Event | None = None) -> list[int]:
+    return [e.token_id for e in backend.generate(ids, params, cancel or threading.Event()) if e.token_id >= 0]
+
+
+def test_simultaneous_greedy_requests_match_each_alone(with_default_model: Path) -> None:
+    backend = load(parallel=4)
+    params = GenerationParams(temperature=0, max_new_tokens=24, ban_eos=True)
+    prompts = [chat_ids(backend, p) for p in PROMPTS]
+    alone = [token_ids(backend, ids, params) for ids in prompts]
+    together: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, token_ids(backend, prompts[i], params))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert together[i][:16] == alone[i][:16], PROMPTS[i]
+    assert backend.stats()["busy_slots"] == 0
+
+
+def test_batching_runs_streams_at_the_same_time(with_default_model: Path) -> None:
+    backend = load(parallel=4)
+    params = GenerationParams(temperature=0, max_new_tokens=40, ban_eos=True)
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+
+    def run(i: int) -> None:
+        ids = chat_ids(backend, PROMPTS[i])
+        for n, _ in enumerate(backend.generate(ids, params, threading.Event())):
+            if n == 0:
+                starts[i] = time.perf_counter()
+        ends[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # every stream got its first token before any stream finished: they were decoded together
+    assert max(starts.values()) < min(ends.values())
+
+
+def test_cancel_frees_the_slot_and_a_full_queue_refuses(with_default_model: Path) -> None:
+    backend = load(parallel=1, max_queue=1)
+    ids = chat_ids(backend, "Tell me a story.")
+    params = GenerationParams(max_new_tokens=500, ban_eos=True)
+    first_cancel = threading.Event()
+    first = backend.generate(ids, params, first_cancel)
+    next(first)
+    waiting_cancel = threading.Event()
+    waiting = backend.generate(ids, params, waiting_cancel)  # waits in the queue
+    with pytest.raises(QueueFull):
+        backend.generate(ids, params, threading.Event())
+    assert backend.stats()["queue_depth"] == 1
+    first_cancel.set()
+    assert [e.finish_reason for e in first if e.finish_reason] == ["cancelled"]
+    assert next(waiting).token_id >= 0  # the freed slot went to the waiting request
+    waiting_cancel.set()
+    list(waiting)
+    deadline = time.monotonic() + 5
+    while backend.stats()["busy_slots"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.stats()["busy_slots"] == 0 and backend.stats()["queue_depth"] == 0
+
+
+def test_prompt_cache_reuses_the_common_prefix(with_default_model: Path) -> None:
+    backend = load(parallel=2)
+    history = [{"role": "system", "content": "You are a helpful AI assistant. " * 30}, {"role": "user", "content": "Hi!"}]
+    first = render_messages(backend, history)
+    generate_text(first, GenerationParams(temperature=0, max_new_tokens=8))
+    before = backend.stats()
+    longer = render_messages(backend, [*history, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "How are you?"}])
+    _, stats = generate_text(longer, GenerationParams(temperature=0, max_new_tokens=8))
+    after = backend.stats()
+    assert after["cache_hits"] == before["cache_hits"] + 1
+    reused = after["cache_hit_tokens"] - before["cache_hit_tokens"]
+    assert reused >= len(backend.encode(first)) - 2
+    off = load(parallel=2, prompt_cache=False)
+    generate_text(first, GenerationParams(temperature=0, max_new_tokens=8))
+    generate_text(longer, GenerationParams(temperature=0, max_new_tokens=8))
+    assert off.stats()["cache_hits"] == 0
+
+
+def test_long_prompt_does_not_freeze_other_streams(with_default_model: Path) -> None:
+    backend = load(parallel=2)
+    short = chat_ids(backend, "Count from one to one hundred.")
+    long_ids = backend.encode("The quick brown fox jumps over the lazy dog. " * 120)  # about 1200 tokens
+    gaps: list[float] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        last = None
+        for event in backend.generate(short, GenerationParams(temperature=0, max_new_tokens=60, ban_eos=True), threading.Event()):
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            if len(gaps) == 3:
+                started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    started.wait(30)
+    t0 = time.perf_counter()
+    generate_text(long_ids, GenerationParams(temperature=0, max_new_tokens=1))
+    prefill = time.perf_counter() - t0
+    thread.join()
+    assert max(gaps) < prefill / 3, f"the stream stalled {max(gaps):.2f} s while a {prefill:.2f} s prompt was read"
+
+
+SAMPLER_SETTINGS = [
+    {"top_k": 40, "top_p": 0.9},
+    {"min_p": 0.1, "temperature_last": True},
+    {"typical_p": 0.8},
+    {"dynatemp_range": 0.5, "dynatemp_exponent": 1.5},
+    {"xtc_probability": 0.5, "xtc_threshold": 0.1},
+    {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty_range": 64},
+    {"mirostat_mode": 1, "mirostat_tau": 5.0, "mirostat_eta": 0.1},
+    {"mirostat_mode": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.1},
+]
+
+
+@pytest.mark.parametrize("settings", SAMPLER_SETTINGS, ids=lambda s: "+".join(s))
+def test_every_sampler_runs_and_reproduces_with_a_seed(with_default_model: Path, settings: dict) -> None:
+    backend = load()
+    ids = chat_ids(backend, "Write a short poem about the sea.")
+    params = GenerationParams(temperature=1.0, max_new_tokens=20, seed=11, **settings)
+    first = token_ids(backend, ids, params)
+    assert len(first) > 0
+    assert token_ids(backend, ids, params) == first
+    baseline = token_ids(backend, ids, GenerationParams(temperature=1.0, max_new_tokens=20, seed=11))
+    if "temperature_last" not in settings:
+        assert first != baseline, f"{settings} did not change the output"
+
+
+def test_dry_breaks_a_greedy_loop(with_default_model: Path) -> None:
+    backend = load()
+    ids = prepare(render_messages(backend, [{"role": "user", "content": "What is the capital of France?"}]), GenerationParams(), backend).prompt_ids
+
+    def repeated_trigrams(tokens: list[int]) -> int:
+        grams = [tuple(tokens[i : i + 3]) for i in range(len(tokens) - 2)]
+        return len(grams) - len(set(grams))
+
+    looping = token_ids(backend, ids, GenerationParams(temperature=0, max_new_tokens=60, ban_eos=True))
+    dry = token_ids(backend, ids, GenerationParams(temperature=0, max_new_tokens=60, ban_eos=True, dry_multiplier=0.8))
+    assert repeated_trigrams(looping) > 10, "the greedy reply to this prompt loops"
+    assert repeated_trigrams(dry) < repeated_trigrams(looping) / 2
+
+
+def test_top_k_one_is_greedy_and_logit_bias_forces_a_token(with_default_model: Path) -> None:
+    backend = load()
+    ids = chat_ids(backend, "Say something.")
+    greedy = token_ids(backend, ids, GenerationParams(temperature=0, max_new_tokens=10))
+    assert token_ids(backend, ids, GenerationParams(temperature=1.5, top_k=1, max_new_tokens=10, seed=5)) == greedy
+    forced = backend.encode(" banana", add_special=False)[0]
+    out = token_ids(backend, ids, GenerationParams(temperature=0, max_new_tokens=3, logit_bias={forced: 100}))
+    assert out == [forced] * 3
+    banned = token_ids(backend, ids, GenerationParams(temperature=0, max_new_tokens=10, logit_bias={greedy[0]: -100}))
+    assert banned[0] != greedy[0]
+
+
+def test_logprobs_come_from_the_sampled_distribution(with_default_model: Path) -> None:
+    backend = load()
+    ids = chat_ids(backend, "What is the capital of France?")
+    events = [e for e in backend.generate(ids, GenerationParams(temperature=0.7, top_k=5, max_new_tokens=8, seed=1, logprobs=True, top_logprobs=5), threading.Event()) if e.token_id >= 0]
+    for event in events:
+        tops = event.top_logprobs or []
+        assert 1 <= len(tops) <= 5  # top_k=5 leaves at most five candidates
+        assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert abs(sum(np.exp(t.logprob) for t in tops) - 1) < 1e-3
+        assert event.token_id in {t.token_id for t in tops}
+        chosen = next(t for t in tops if t.token_id == event.token_id)
+        assert chosen.logprob == pytest.approx(event.logprob)
+
+
+def test_gbnf_grammar_and_json_schema(with_default_model: Path) -> None:
+    backend = load()
+    ids = chat_ids(backend, "Is the sky blue? Answer yes or no.")
+    text, _ = generate_text(ids, GenerationParams(temperature=1.0, seed=4, grammar='root ::= "yes" | "no"', max_new_tokens=5))
+    assert text in ("yes", "no")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}, "required": ["city", "population"]}
+    ids = chat_ids(backend, "Give the biggest city of France and its population as JSON.")
+    text, stats = generate_text(ids, GenerationParams(temperature=0.8, seed=2, json_schema=schema, max_new_tokens=120))
+    assert stats.finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(InvalidRequest):
+        generate_text(ids, GenerationParams(grammar="root ::= (", max_new_tokens=5))
+
+
+def test_context_full_ends_with_length(with_default_model: Path) -> None:
+    backend = load(n_ctx=128)
+    ids = backend.encode("one two three four five six seven eight nine ten " * 20)[:100]
+    assert len(ids) == 100
+    text, stats = generate_text(ids, GenerationParams(max_new_tokens=500, ban_eos=True, seed=1))
+    assert stats.finish_reason == "length" and stats.new_tokens == 128 - 100
+
+
+def test_embeddings_mode(with_default_model: Path) -> None:
+    backend = load()
+    vectors = backend.embed(["The cat sat on the mat.", "A cat was sitting on a rug.", "Quarterly revenue grew by 4%."])
+    norms = [float(np.linalg.norm(v)) for v in vectors]
+    assert all(abs(n - 1) < 1e-5 for n in norms) and len(vectors[0]) == 576
+    sims = np.array(vectors) @ np.array(vectors).T
+    assert sims[0, 1] > sims[0, 2]
+
+
+def make_lora(path: Path, scale: float = 4.0) -> Path:
+    """A random rank-4 LoRA on every attention and MLP projection of SmolLM2-135M."""
+    _, tensors, _ = read_header(default_model_path())
+    shapes = {t["name"]: t["shape"] for t in tensors}
+    rng = np.random.default_rng(0)
+    pairs = {}
+    for name, shape in shapes.items():
+        if name.endswith(("attn_q.weight", "attn_v.weight", "ffn_up.weight")):
+            in_features, out_features = shape
+            pairs[name] = (rng.normal(0, scale, (4, in_features)) / np.sqrt(in_features), rng.normal(0, 1, (out_features, 4)) / 4)
+    return write_lora_gguf(path, "llama", alpha=4.0, tensors=pairs)
+
+
+def test_gguf_lora_changes_the_output_and_unloads(with_default_model: Path, tmp_path: Path) -> None:
+    backend = load()
+    ids = chat_ids(backend, "What is the capital of France?")
+    params = GenerationParams(temperature=0, max_new_tokens=12)
+    base = token_ids(backend, ids, params)
+    adapter = make_lora(tmp_path / "random-lora.gguf")
+    backend.load_lora(adapter, 1.0)
+    changed = token_ids(backend, ids, params)
+    assert changed != base
+    backend.unload_lora(None)
+    assert token_ids(backend, ids, params) == base
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"GGUF" + b"\x00" * 100)
+    with pytest.raises(ModelLoadError):
+        backend.load_lora(bogus)
+    assert token_ids(backend, ids, params) == base
