@@ -93,7 +93,16 @@ def _concurrent(url: str, clients: int) -> dict[str, float]:
 def concurrency(clients: int = 8) -> dict[str, Any]:
     with textgen("--threads", str(THREADS), "--parallel", str(clients)) as server:
         ours = _concurrent(server.url, clients)
-    with llama_cpp_server("--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", "4096", "--interrupt_requests", "False") as peer:
+    with llama_cpp_server(
+        "--n_threads",
+        str(THREADS),
+        "--n_threads_batch",
+        str(THREADS),
+        "--n_ctx",
+        "4096",
+        "--interrupt_requests",
+        "False",
+    ) as peer:
         theirs = _concurrent(peer.url, clients)
     return {
         "clients": clients,

@@ -28,10 +28,14 @@ def load(**overrides: object) -> Backend:
 
 
 def chat_ids(backend: Backend, text: str) -> list[int]:
-    return prepare(render_messages(backend, [{"role": "user", "content": text}]), GenerationParams(), backend).prompt_ids
+    return prepare(
+        render_messages(backend, [{"role": "user", "content": text}]), GenerationParams(), backend
+    ).prompt_ids
 
 
-def token_ids(backend: Backend, ids: list[int], params: GenerationParams, cancel: threading.Event | None = None) -> list[int]:
+def token_ids(
+    backend: Backend, ids: list[int], params: GenerationParams, cancel: threading.Event | None = None
+) -> list[int]:
     return [e.token_id for e in backend.generate(ids, params, cancel or threading.Event()) if e.token_id >= 0]
 
 
@@ -41,7 +45,10 @@ def test_simultaneous_greedy_requests_match_each_alone(with_default_model: Path)
     prompts = [chat_ids(backend, p) for p in PROMPTS]
     alone = [token_ids(backend, ids, params) for ids in prompts]
     together: dict[int, list[int]] = {}
-    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, token_ids(backend, prompts[i], params))) for i in range(4)]
+    threads = [
+        threading.Thread(target=lambda i=i: together.__setitem__(i, token_ids(backend, prompts[i], params)))
+        for i in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -98,12 +105,17 @@ def test_cancel_frees_the_slot_and_a_full_queue_refuses(with_default_model: Path
 
 def test_prompt_cache_reuses_the_common_prefix(with_default_model: Path) -> None:
     backend = load(parallel=2)
-    history = [{"role": "system", "content": "You are a helpful AI assistant. " * 30}, {"role": "user", "content": "Hi!"}]
+    history = [
+        {"role": "system", "content": "You are a helpful AI assistant. " * 30},
+        {"role": "user", "content": "Hi!"},
+    ]
     first = render_messages(backend, history)
     generate_text(first, GenerationParams(temperature=0, max_new_tokens=8))
     before = backend.stats()
-    longer = render_messages(backend, [*history, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "How are you?"}])
-    _, stats = generate_text(longer, GenerationParams(temperature=0, max_new_tokens=8))
+    longer = render_messages(
+        backend, [*history, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "How are you?"}]
+    )
+    _, _stats = generate_text(longer, GenerationParams(temperature=0, max_new_tokens=8))
     after = backend.stats()
     assert after["cache_hits"] == before["cache_hits"] + 1
     reused = after["cache_hit_tokens"] - before["cache_hit_tokens"]
@@ -123,7 +135,9 @@ def test_long_prompt_does_not_freeze_other_streams(with_default_model: Path) -> 
 
     def stream() -> None:
         last = None
-        for event in backend.generate(short, GenerationParams(temperature=0, max_new_tokens=60, ban_eos=True), threading.Event()):
+        for _event in backend.generate(
+            short, GenerationParams(temperature=0, max_new_tokens=60, ban_eos=True), threading.Event()
+        ):
             now = time.perf_counter()
             if last is not None:
                 gaps.append(now - last)
@@ -168,7 +182,11 @@ def test_every_sampler_runs_and_reproduces_with_a_seed(with_default_model: Path,
 
 def test_dry_breaks_a_greedy_loop(with_default_model: Path) -> None:
     backend = load()
-    ids = prepare(render_messages(backend, [{"role": "user", "content": "What is the capital of France?"}]), GenerationParams(), backend).prompt_ids
+    ids = prepare(
+        render_messages(backend, [{"role": "user", "content": "What is the capital of France?"}]),
+        GenerationParams(),
+        backend,
+    ).prompt_ids
 
     def repeated_trigrams(tokens: list[int]) -> int:
         grams = [tuple(tokens[i : i + 3]) for i in range(len(tokens) - 2)]
@@ -195,7 +213,15 @@ def test_top_k_one_is_greedy_and_logit_bias_forces_a_token(with_default_model: P
 def test_logprobs_come_from_the_sampled_distribution(with_default_model: Path) -> None:
     backend = load()
     ids = chat_ids(backend, "What is the capital of France?")
-    events = [e for e in backend.generate(ids, GenerationParams(temperature=0.7, top_k=5, max_new_tokens=8, seed=1, logprobs=True, top_logprobs=5), threading.Event()) if e.token_id >= 0]
+    events = [
+        e
+        for e in backend.generate(
+            ids,
+            GenerationParams(temperature=0.7, top_k=5, max_new_tokens=8, seed=1, logprobs=True, top_logprobs=5),
+            threading.Event(),
+        )
+        if e.token_id >= 0
+    ]
     for event in events:
         tops = event.top_logprobs or []
         assert 1 <= len(tops) <= 5  # top_k=5 leaves at most five candidates
@@ -209,9 +235,15 @@ def test_logprobs_come_from_the_sampled_distribution(with_default_model: Path) -
 def test_gbnf_grammar_and_json_schema(with_default_model: Path) -> None:
     backend = load()
     ids = chat_ids(backend, "Is the sky blue? Answer yes or no.")
-    text, _ = generate_text(ids, GenerationParams(temperature=1.0, seed=4, grammar='root ::= "yes" | "no"', max_new_tokens=5))
+    text, _ = generate_text(
+        ids, GenerationParams(temperature=1.0, seed=4, grammar='root ::= "yes" | "no"', max_new_tokens=5)
+    )
     assert text in ("yes", "no")
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}, "required": ["city", "population"]}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+    }
     ids = chat_ids(backend, "Give the biggest city of France and its population as JSON.")
     text, stats = generate_text(ids, GenerationParams(temperature=0.8, seed=2, json_schema=schema, max_new_tokens=120))
     assert stats.finish_reason == "stop"
@@ -224,7 +256,7 @@ def test_context_full_ends_with_length(with_default_model: Path) -> None:
     backend = load(n_ctx=128)
     ids = backend.encode("one two three four five six seven eight nine ten " * 20)[:100]
     assert len(ids) == 100
-    text, stats = generate_text(ids, GenerationParams(max_new_tokens=500, ban_eos=True, seed=1))
+    _text, stats = generate_text(ids, GenerationParams(max_new_tokens=500, ban_eos=True, seed=1))
     assert stats.finish_reason == "length" and stats.new_tokens == 128 - 100
 
 
@@ -246,7 +278,10 @@ def make_lora(path: Path, scale: float = 4.0) -> Path:
     for name, shape in shapes.items():
         if name.endswith(("attn_q.weight", "attn_v.weight", "ffn_up.weight")):
             in_features, out_features = shape
-            pairs[name] = (rng.normal(0, scale, (4, in_features)) / np.sqrt(in_features), rng.normal(0, 1, (out_features, 4)) / 4)
+            pairs[name] = (
+                rng.normal(0, scale, (4, in_features)) / np.sqrt(in_features),
+                rng.normal(0, 1, (out_features, 4)) / 4,
+            )
     return write_lora_gguf(path, "llama", alpha=4.0, tensors=pairs)
 
 
