@@ -30,6 +30,7 @@ from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFu
 from modules.generation.params import GenerationParams
 from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
+from modules.loaders.llama_cpp_side import SideContext
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +122,7 @@ class LlamaCppBackend(Backend):
         self._eog_set: frozenset[int] = frozenset()
         self._n_vocab = 0
         self._options: dict[str, Any] = {}
-        self._embed_ctx: LlamaContext | None = None
-        self._embed_lock = threading.Lock()
-        self._score_ctx: LlamaContext | None = None
-        self._score_lock = threading.Lock()
+        self._sides: dict[str, SideContext] = {}  # "embed" and "score" contexts, created on first use
         self._loras: dict[str, tuple[Any, float]] = {}
         self._outbox: list[tuple[TokenSink, TokenEvent | BaseException]] = []  # sink events of this step
         self._stats = {"requests": 0, "prompt_tokens": 0, "cache_hit_tokens": 0, "cache_hits": 0, "steps": 0}
@@ -220,13 +218,18 @@ class LlamaCppBackend(Backend):
                 self._finish(req, "cancelled")
         self._waiting.clear()
         self._flush()
-        for adapter, _ in self._loras.values():
-            llama_cpp.llama_adapter_lora_free(adapter)
-        self._loras.clear()
-        for obj in (self._embed_ctx, self._score_ctx, self._batch, self._ctx, self._model):
+        for side in self._sides.values():
+            side.close()
+        self._sides.clear()
+        for obj in (self._batch, self._ctx):
             if obj is not None:
                 obj.close()
-        self._embed_ctx = self._score_ctx = self._batch = self._ctx = self._model = None
+        for adapter, _ in self._loras.values():  # after every context using them is gone
+            llama_cpp.llama_adapter_lora_free(adapter)
+        self._loras.clear()
+        if self._model is not None:
+            self._model.close()
+        self._batch = self._ctx = self._model = None
 
     # ---------------------------------------------------------------- tokens
     @property
@@ -467,36 +470,21 @@ class LlamaCppBackend(Backend):
     # ---------------------------------------------------------------- embeddings and LoRA
     def embed(self, texts: list[str]) -> list[list[float]]:
         """Mean-pooled, L2-normalised embeddings from a second context in embeddings mode."""
+        token_lists = [self.encode(t) for t in texts]
+        if any(not t for t in token_lists):
+            raise InvalidRequest("cannot embed an empty string", param="input")
+        return self._side(embeddings=True).embed(token_lists)
+
+    def _side(self, embeddings: bool) -> SideContext:
         model = self._require_model()
-        with self._embed_lock:
-            if self._embed_ctx is None:
-                params = llama_cpp.llama_context_default_params()
-                params.n_ctx = params.n_batch = params.n_ubatch = self._n_ctx
-                params.n_seq_max = 1
-                params.embeddings = True
-                params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
-                params.n_threads = params.n_threads_batch = int(self._options.get("threads") or default_threads())
-                self._embed_ctx = LlamaContext(model=model, params=params, verbose=False)
-            ctx = self._embed_ctx
-            batch = LlamaBatch(n_tokens=self._n_ctx, embd=0, n_seq_max=1, verbose=False)
-            vectors = []
-            try:
-                for text in texts:
-                    tokens = self.encode(text)[: self._n_ctx]
-                    if not tokens:
-                        raise InvalidRequest("cannot embed an empty string", param="input")
-                    ctx.kv_cache_clear()
-                    batch.reset()
-                    batch.add_sequence(tokens, 0, logits_all=True)
-                    if llama_cpp.llama_decode(ctx.ctx, batch.batch) != 0:
-                        raise RuntimeError("llama_decode failed while embedding")
-                    pointer = llama_cpp.llama_get_embeddings_seq(ctx.ctx, 0)
-                    vector = np.ctypeslib.as_array(pointer, shape=(model.n_embd(),)).astype(np.float64)
-                    norm = float(np.linalg.norm(vector)) or 1.0
-                    vectors.append((vector / norm).tolist())
-            finally:
-                batch.close()
-            return vectors
+        with self._cv:
+            key = "embed" if embeddings else "score"
+            if key not in self._sides:
+                threads = int(self._options.get("threads") or default_threads())
+                side = SideContext(model, self._n_ctx, self._n_batch, threads, embeddings)
+                side.set_adapters(list(self._loras.values()))
+                self._sides[key] = side
+            return self._sides[key]
 
     def fim_tokens(self) -> tuple[int, int, int] | None:
         vocab = self._require_model().vocab
@@ -508,45 +496,11 @@ class LlamaCppBackend(Backend):
         return None if any(t < 0 for t in ids) else ids
 
     def _log_softmax_rows(self, prompt_ids: list[int], rows: set[int]) -> dict[int, np.ndarray]:
-        """Log-probability rows for some positions of the prompt, from a scoring context."""
-        model = self._require_model()
         if len(prompt_ids) > self._n_ctx:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens; the context holds {self._n_ctx}", param="prompt"
             )
-        step = min(self._n_batch, self._n_ctx)
-        out: dict[int, np.ndarray] = {}
-        with self._score_lock:
-            if self._score_ctx is None:
-                params = llama_cpp.llama_context_default_params()
-                params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = self._n_ctx, step, step, 1
-                params.n_threads = params.n_threads_batch = int(self._options.get("threads") or default_threads())
-                params.no_perf = True
-                self._score_ctx = LlamaContext(model=model, params=params, verbose=False)
-            ctx = self._score_ctx
-            ctx.kv_cache_clear()
-            holder = LlamaBatch(n_tokens=step, embd=0, n_seq_max=1, verbose=False)
-            try:
-                batch = holder.batch
-                for start in range(0, len(prompt_ids), step):
-                    chunk = prompt_ids[start : start + step]
-                    for j, token in enumerate(chunk):
-                        batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
-                        batch.seq_id[j][0], batch.logits[j] = 0, (start + j) in rows
-                    batch.n_tokens = len(chunk)
-                    if llama_cpp.llama_decode(ctx.ctx, batch) != 0:
-                        raise RuntimeError("llama_decode failed while scoring")
-                    for j in range(len(chunk)):
-                        if start + j in rows:
-                            logits = np.ctypeslib.as_array(
-                                llama_cpp.llama_get_logits_ith(ctx.ctx, j), shape=(self._n_vocab,)
-                            )
-                            row = logits.astype(np.float64)
-                            top_value = float(row.max())
-                            out[start + j] = row - (top_value + math.log(float(np.exp(row - top_value).sum())))
-            finally:
-                holder.close()
-        return out
+        return self._side(embeddings=False).log_softmax_rows(prompt_ids, rows, self._n_vocab)
 
     def score(self, prompt_ids: list[int], top: int = 0) -> list[tuple[float | None, list[tuple[int, float]]]]:
         rows = self._log_softmax_rows(prompt_ids, set(range(len(prompt_ids) - 1)))
@@ -569,6 +523,8 @@ class LlamaCppBackend(Backend):
         items = list(self._loras.values())
         adapters = (llama_cpp.llama_adapter_lora_p_ctypes * len(items))(*[a for a, _ in items]) if items else None
         scales = (ctypes.c_float * len(items))(*[s for _, s in items]) if items else None
+        for side in self._sides.values():
+            side.set_adapters(items)
         with self._decode_lock:
             llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, len(items), scales)
             for slot in self._slots:  # cached prefixes were computed with other weights
