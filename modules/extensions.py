@@ -61,19 +61,19 @@ class HookSpecs:
 
     @hookspec
     def input_modifier(self, string: str, state: dict[str, Any], is_chat: bool) -> str:  # type: ignore[empty-body]
-        """Modify the user input (chat message or notebook prompt) before the prompt is built."""
+        """Modify the user input in the prompt: the newest chat message, or a raw (notebook, completion) prompt."""
 
     @hookspec
     def bot_prefix_modifier(self, string: str, state: dict[str, Any]) -> str:  # type: ignore[empty-body]
-        """Modify the text the reply is started with (the prefix after the assistant's name)."""
+        """Modify the reply's prefix (``Name:`` in chat modes, empty in instruct); added text steers the reply."""
 
     @hookspec
     def output_modifier(self, string: str, state: dict[str, Any], is_chat: bool) -> str:  # type: ignore[empty-body]
-        """Modify the model's reply before it is shown and stored."""
+        """Modify the reply the UI shows; the model's own text stays in the history (called once, at the end)."""
 
     @hookspec
     def history_modifier(self, history: dict[str, Any]) -> dict[str, Any]:  # type: ignore[empty-body]
-        """Modify the chat history before the prompt is built from it."""
+        """Modify the history before the prompt is built: ``history['messages']`` or the ``internal`` pairs."""
 
     @hookspec(firstresult=True)
     def custom_generate_chat_prompt(self, user_input: str, state: dict[str, Any], **kwargs: Any) -> str:  # type: ignore[empty-body]
@@ -314,3 +314,40 @@ def collect(hook: str, **kwargs: Any) -> list[Any]:
         if result is not None:
             results.append(result)
     return results
+
+
+def apply_chat_input(text: str, visible_text: str, state: dict[str, Any]) -> tuple[str, str]:
+    """Chain ``chat_input_modifier``: (text the model sees, text the history shows)."""
+    for ext in implementers("chat_input_modifier"):
+        result = call(ext, "chat_input_modifier", text=text, visible_text=visible_text, state=state)
+        if isinstance(result, (tuple, list)) and len(result) == 2:
+            text, visible_text = str(result[0]), str(result[1])
+    return text, visible_text
+
+
+def apply_tokenizer(state: dict[str, Any], prompt: str, input_ids: list[int]) -> tuple[str, list[int]]:
+    """Chain ``tokenizer_modifier``: each extension gets the previous one's prompt and ids."""
+    for ext in implementers("tokenizer_modifier"):
+        result = call(ext, "tokenizer_modifier", state=state, prompt=prompt, input_ids=input_ids)
+        if isinstance(result, (tuple, list)) and len(result) >= 2:
+            prompt, input_ids = str(result[0]), [int(t) for t in result[1]]
+    return prompt, input_ids
+
+
+def reference() -> str:
+    """The hook reference of docs/extensions.md, generated from the hookspecs."""
+    lines = ["| hook | arguments | called | what it does |", "|---|---|---|---|"]
+    for name in HOOK_NAMES:
+        func = getattr(HookSpecs, name)
+        parameters = inspect.signature(func).parameters.values()
+        args = ", ".join(("**" if p.kind is p.VAR_KEYWORD else "") + p.name for p in parameters if p.name != "self")
+        spec = getattr(manager.hook, name).spec
+        chained = name.endswith("_modifier") and name != "logits_processor_modifier"
+        kind = "first result wins" if spec and spec.opts.get("firstresult") else ("chained" if chained else "each")
+        doc = " ".join((func.__doc__ or "").split())
+        lines.append(f"| `{name}` | `{args}` | {kind} | {doc} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference())

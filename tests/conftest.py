@@ -54,12 +54,13 @@ def models_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def hub(user_data: Path, models_dir: Path) -> Iterator[object]:
     """modules.shared initialised with isolated folders; the model is unloaded afterwards."""
-    from modules import models, shared
+    from modules import extensions, models, shared
     from modules.settings import load_settings
 
     shared.init(load_settings(["--user-data-dir", str(user_data), "--model-dir", str(models_dir)], env={}))
     yield shared
     models.unload_model()
+    extensions.reset()
     shared.init()
 
 

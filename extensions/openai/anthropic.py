@@ -169,7 +169,7 @@ async def create(body: dict[str, Any], request: Request) -> Any:
         chat_req = to_chat(req)
         backend = await core.serving_backend(request, req.model)
         job = await anyio.to_thread.run_sync(core.prepare_chat, chat_req, backend)
-        running = await core.start([job.prompt], [job.params], backend)
+        running = await core.start([job.prompt], [job.params], backend, chat=True)
     except (APIError, Exception) as exc:
         return anthropic_error(exc)
     message_id = "msg_" + uuid.uuid4().hex

@@ -27,7 +27,7 @@ from modules import models, shared
 from modules.chat.prompt import ChatOptions, build_chat_prompt, instruction_template
 from modules.errors import InvalidRequest, ModelNotLoaded
 from modules.generation.params import GenerationParams
-from modules.generation.pipeline import Delta, DeltaBuilder, GenerationStats, current_model, prepare
+from modules.generation.pipeline import Delta, DeltaBuilder, GenerationStats, current_model, launch_to, prepare
 from modules.generation.presets import load_preset
 from modules.loaders.base import Backend, TokenEvent, TokenSink
 
@@ -322,7 +322,9 @@ class Running:
             shared.unregister_generation(key)
 
 
-async def start(prompts: list[str | list[int]], params: list[GenerationParams], backend: Backend) -> Running:
+async def start(
+    prompts: list[str | list[int]], params: list[GenerationParams], backend: Backend, *, chat: bool = False
+) -> Running:
     """Check and submit every generation now (so errors come back before any response is sent).
 
     The backend hands the events to this event loop directly, several per wake-up; no thread per request.
@@ -332,9 +334,9 @@ async def start(prompts: list[str | list[int]], params: list[GenerationParams], 
 
     def submit() -> None:
         for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            prepared = prepare(prompt, p, backend, strict=True)
+            prepared = prepare(prompt, p, backend, strict=True, is_chat=chat)
             cancel = threading.Event()
-            backend.submit(prepared.prompt_ids, prepared.params, cancel, TokenSink(loop, running.queue, index))
+            launch_to(prepared, backend, cancel, TokenSink(loop, running.queue, index))
             key = uuid.uuid4().hex
             shared.register_generation(key, cancel)
             running.cancels.append(cancel)

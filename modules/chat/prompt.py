@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from modules import extensions
 from modules.chat.characters import DEFAULT_CHARACTER, Character, load_character
 from modules.chat.templates import load_instruction_template, render
 from modules.errors import InvalidRequest
@@ -156,6 +157,12 @@ def _builder(
     return build_chat_instruct, stops, character
 
 
+def token_count(backend: Backend, prompt: str) -> int:
+    """Tokens in ``prompt``: an extension's ``custom_tokenized_length`` when one answers, else the model's."""
+    custom = extensions.first_result("custom_tokenized_length", prompt=prompt)
+    return int(custom) if isinstance(custom, int) else len(backend.encode(prompt))
+
+
 def fit_history(
     backend: Backend, build: Callable[[list[Message]], str], history: list[Message], max_new_tokens: int
 ) -> tuple[str, int]:
@@ -172,7 +179,7 @@ def fit_history(
         dropped = set(droppable[:cut])
         kept = [m for i, m in enumerate(history) if i not in dropped]
         prompt = build(kept)
-        return prompt, len(kept), len(backend.encode(prompt)) <= budget
+        return prompt, len(kept), token_count(backend, prompt) <= budget
 
     first = attempt(0)
     if first[2] or not droppable:
@@ -191,12 +198,70 @@ def fit_history(
     return best[0], best[1]
 
 
+def _history_hook(history: list[Message], state: dict[str, Any]) -> list[Message]:
+    """Run ``history_modifier``: extensions get text-generation-webui's pair view and our messages."""
+    pairs: list[list[str]] = []
+    for message in history:
+        if message["role"] == "user":
+            pairs.append([str(message["content"]), ""])
+        elif message["role"] == "assistant":
+            if not pairs or pairs[-1][1]:
+                pairs.append(["", ""])
+            pairs[-1][1] = str(message["content"])
+    view = {
+        "internal": [list(p) for p in pairs],
+        "visible": [list(p) for p in pairs],
+        "messages": [dict(m) for m in history],
+    }
+    result = extensions.apply_modifier("history_modifier", view)
+    if not isinstance(result, dict):
+        return history
+    if result.get("messages") != view["messages"] and isinstance(result.get("messages"), list):
+        return list(result["messages"])
+    if result.get("internal") != pairs and isinstance(result.get("internal"), list):
+        rebuilt: list[Message] = [m for m in history if m["role"] == "system"]
+        for user, bot in result["internal"]:
+            if user:
+                rebuilt.append({"role": "user", "content": user})
+            if bot:
+                rebuilt.append({"role": "assistant", "content": bot})
+        return rebuilt
+    return history
+
+
 def build_chat_prompt(
-    backend: Backend, history: list[Message], options: ChatOptions, max_new_tokens: int
+    backend: Backend,
+    history: list[Message],
+    options: ChatOptions,
+    max_new_tokens: int,
+    state: dict[str, Any] | None = None,
 ) -> ChatPrompt:
-    """The prompt for the next reply to ``history`` in the chosen mode, truncated to fit the context."""
+    """The prompt for the next reply to ``history`` in the chosen mode, truncated to fit the context.
+
+    Extension hooks, in order: ``input_modifier`` (the newest user message), ``history_modifier``,
+    ``custom_generate_chat_prompt`` (replaces the template), ``bot_prefix_modifier`` (text after the reply's
+    prefix; it steers the reply without being part of it).
+    """
+    state = state if state is not None else {}
+    history = list(history)
+    if history and history[-1]["role"] == "user" and extensions.implementers("input_modifier"):
+        text = extensions.apply_modifier("input_modifier", str(history[-1]["content"]), state=state, is_chat=True)
+        history[-1] = {**history[-1], "content": text}
+    if extensions.implementers("history_modifier"):
+        history = _history_hook(history, state)
     build, stops, character = _builder(backend, options)
-    prompt, kept = fit_history(backend, build, history, max_new_tokens)
     continuing = options.continue_last and bool(history) and history[-1]["role"] == "assistant"
     prefix = str(history[-1]["content"]) if continuing else options.start_with
+    user_input = next((str(m["content"]) for m in reversed(history) if m["role"] == "user"), "")
+    custom = extensions.first_result(
+        "custom_generate_chat_prompt", user_input=user_input, state=state, history=history, _continue=continuing
+    )
+    if isinstance(custom, str):
+        return ChatPrompt(prompt=custom, stop=stops, reply_prefix=prefix, kept=len(history), character=character)
+    prompt, kept = fit_history(backend, build, history, max_new_tokens)
+    if extensions.implementers("bot_prefix_modifier") and not continuing:
+        base = f"{character.name}:" if character is not None else ""
+        modified = str(extensions.apply_modifier("bot_prefix_modifier", base, state=state))
+        if modified != base:
+            prompt += modified[len(base) :] if modified.startswith(base) else modified
     return ChatPrompt(prompt=prompt, stop=stops, reply_prefix=prefix, kept=kept, character=character)

@@ -31,6 +31,7 @@ class GenerationParams:
     max_new_tokens: int = _f(512, "Most tokens to generate.", "limits", ge=1)
     stop: list[str] = _f([], "Strings that end the reply; they are not included in it.", "limits")
     ban_eos: bool = _f(False, "Never end on the end-of-sequence token.", "limits")
+    min_tokens: int = _f(0, "Do not end before this many new tokens (0: off).", "limits", ge=0)
     skip_special_tokens: bool = _f(True, "Leave special tokens out of the text.", "limits")
     seed: int = _f(-1, "Random seed; -1 picks one. The same seed and request give the same output.", "limits")
     # --- temperature ---

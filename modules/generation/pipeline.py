@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -10,11 +11,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from modules import shared
+from modules import extensions, shared
 from modules.errors import ContextOverflow, InvalidRequest, ModelNotLoaded
 from modules.generation.params import GenerationParams
 from modules.generation.stopping import StopMatcher, Utf8Stream
-from modules.loaders.base import Backend, TokenEvent
+from modules.loaders.base import Backend, TokenEvent, TokenSink, deliver
 
 log = logging.getLogger(__name__)
 
@@ -80,18 +81,76 @@ def check_params(backend: Backend, params: GenerationParams, strict: bool) -> No
 
 @dataclass
 class Prepared:
-    """A checked generation: its token ids and the parameters it runs with (seed resolved, length capped)."""
+    """A checked generation: its token ids and the parameters it runs with (seed resolved, length capped).
+
+    ``custom`` holds an extension's ``custom_generate_reply`` iterator (cumulative text) when one took over.
+    """
 
     prompt_ids: list[int]
     params: GenerationParams
     started: float
+    custom: Iterator[str] | None = None
+    state: dict[str, Any] = field(default_factory=dict)
 
 
-def prepare(prompt: str | list[int], params: GenerationParams, backend: Backend, *, strict: bool = False) -> Prepared:
-    """Tokenize and check; raises InvalidRequest or ContextOverflow before anything runs."""
-    check_params(backend, params, strict)
+def make_state(params: GenerationParams, **context: Any) -> dict[str, Any]:
+    """The ``state`` dict extension hooks receive: every generation parameter plus the chat context."""
+    return {**dataclasses.asdict(params), **context}
+
+
+def params_from_state(state: dict[str, Any], params: GenerationParams) -> GenerationParams:
+    """Generation parameters as an extension's ``state_modifier`` left them."""
+    changed = {k: state[k] for k in GenerationParams.field_names() if k in state and state[k] != getattr(params, k)}
+    return params.replace(**changed) if changed else params
+
+
+def prepare(
+    prompt: str | list[int],
+    params: GenerationParams,
+    backend: Backend,
+    *,
+    strict: bool = False,
+    state: dict[str, Any] | None = None,
+    is_chat: bool = False,
+) -> Prepared:
+    """Apply the extensions' input hooks, tokenize and check; raises before anything runs.
+
+    Hooks, in order: ``state_modifier``; ``input_modifier`` (raw prompts; chat input is modified earlier, when
+    the prompt is built); ``custom_generate_reply``; ``tokenizer_modifier``. Raises InvalidRequest (a parameter
+    the backend does not support, with ``strict``) or ContextOverflow.
+    """
     started = time.perf_counter()
+    if state is None:
+        state = make_state(params)
+    else:  # the caller's dict sees what the hooks change
+        for key, value in make_state(params).items():
+            state.setdefault(key, value)
+    if extensions.implementers("state_modifier"):
+        modified = extensions.apply_modifier("state_modifier", state)
+        if isinstance(modified, dict) and modified is not state:
+            state.clear()
+            state.update(modified)
+        params = params_from_state(state, params)
+    check_params(backend, params, strict)
+    original = prompt
+    if isinstance(prompt, str) and not is_chat:
+        prompt = extensions.apply_modifier("input_modifier", prompt, state=state, is_chat=False)
+    custom = None
+    if isinstance(prompt, str) and extensions.implementers("custom_generate_reply"):
+        custom = extensions.first_result(
+            "custom_generate_reply",
+            question=prompt,
+            original_question=original,
+            state=state,
+            stopping_strings=list(params.stop),
+            is_chat=is_chat,
+        )
     prompt_ids = encode_prompt(backend, prompt) if isinstance(prompt, str) else list(prompt)
+    if extensions.implementers("tokenizer_modifier"):
+        text = prompt if isinstance(prompt, str) else backend.decode(prompt_ids)
+        _, prompt_ids = extensions.apply_tokenizer(state, text, prompt_ids)
+    if extensions.implementers("logits_processor_modifier") and not backend.supports_logits_processors:
+        log.debug("logits processors from extensions need a torch backend; %s ignores them", backend.loader_name)
     limit = backend.context_length
     if len(prompt_ids) >= limit:
         raise ContextOverflow(len(prompt_ids), limit)
@@ -100,7 +159,49 @@ def prepare(prompt: str | list[int], params: GenerationParams, backend: Backend,
     )
     if shared.settings.verbose and isinstance(prompt, str):
         log.debug("Prompt (%d tokens):\n%s", len(prompt_ids), prompt)
-    return Prepared(prompt_ids, run_params, started)
+    return Prepared(prompt_ids, run_params, started, custom, state)
+
+
+def custom_events(texts: Iterator[str], cancel: threading.Event) -> Iterator[TokenEvent]:
+    """An extension's cumulative replies as token events (one per new piece of text)."""
+    shown = ""
+    try:
+        for text in texts:
+            if cancel.is_set():
+                yield TokenEvent(-1, b"", finish_reason="cancelled")
+                return
+            if text.startswith(shown) and len(text) > len(shown):
+                yield TokenEvent(0, text[len(shown) :].encode("utf-8"))
+                shown = text
+    finally:
+        close = getattr(texts, "close", None)
+        if close is not None:
+            close()
+    yield TokenEvent(-1, b"", finish_reason="stop")
+
+
+def launch(prepared: Prepared, backend: Backend, cancel: threading.Event) -> Iterator[TokenEvent]:
+    """Start a prepared generation and return its token events."""
+    if prepared.custom is not None:
+        return custom_events(prepared.custom, cancel)
+    return backend.generate(prepared.prompt_ids, prepared.params, cancel)
+
+
+def launch_to(prepared: Prepared, backend: Backend, cancel: threading.Event, sink: TokenSink) -> None:
+    """Start a prepared generation whose events go to an asyncio ``sink``."""
+    if prepared.custom is None:
+        backend.submit(prepared.prompt_ids, prepared.params, cancel, sink)
+        return
+    events = custom_events(prepared.custom, cancel)
+
+    def pump() -> None:
+        try:
+            for event in events:
+                deliver([(sink, event)])
+        except BaseException as exc:
+            deliver([(sink, exc)])
+
+    threading.Thread(target=pump, name="custom-reply", daemon=True).start()
 
 
 class DeltaBuilder:
@@ -169,6 +270,8 @@ def start_reply(
     key: str | None = None,
     strict: bool = False,
     backend: Backend | None = None,
+    state: dict[str, Any] | None = None,
+    is_chat: bool = False,
 ) -> Iterator[Delta]:
     """Check and submit a generation now; return the iterator of its deltas (the last one carries the stats).
 
@@ -177,9 +280,9 @@ def start_reply(
     :func:`shared.stop_generation` with ``key``) ends the generation within one step.
     """
     backend = backend or current_model()
-    prepared = prepare(prompt, params, backend, strict=strict)
+    prepared = prepare(prompt, params, backend, strict=strict, state=state, is_chat=is_chat)
     cancel = cancel or threading.Event()
-    events = backend.generate(prepared.prompt_ids, prepared.params, cancel)
+    events = launch(prepared, backend, cancel)
     key = key or uuid.uuid4().hex
     shared.register_generation(key, cancel)
     return _deltas(events, DeltaBuilder(prepared), cancel, key)

@@ -94,6 +94,7 @@ class Backend(ABC):
     supports_logprobs: ClassVar[bool] = False
     supports_embeddings: ClassVar[bool] = False
     supports_vision: ClassVar[bool] = False
+    supports_logits_processors: ClassVar[bool] = False  # Python logits processors from extensions (torch)
     # Settings fields this loader reads (the UI shows only these).
     option_names: ClassVar[tuple[str, ...]] = ()
     # GenerationParams fields this backend honours; a request setting another one away from its default is refused.

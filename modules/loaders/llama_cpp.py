@@ -454,7 +454,7 @@ class LlamaCppBackend(Backend):
 
     def _emit(self, slot: _Slot, req: _Request) -> None:
         assert self._ctx is not None
-        token, logprob, alternatives = req.sampler.sample(self._ctx.ctx, req.batch_index)
+        token, logprob, alternatives = req.sampler.sample(self._ctx.ctx, req.batch_index, req.generated)
         tops = top_logprobs(alternatives, lambda t: self.token_piece(t, special=True))
         if token in self._eog_set:
             self._finish(req, "stop", slot, logprob=logprob, top_logprobs=tops)

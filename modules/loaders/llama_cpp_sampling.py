@@ -17,7 +17,7 @@ from modules.loaders.base import TopLogprob
 # Parameters the chain below honours.
 SUPPORTED = frozenset(
     {
-        "seed", "ban_eos", "temperature", "dynatemp_range", "dynatemp_exponent", "temperature_last",
+        "seed", "ban_eos", "min_tokens", "temperature", "dynatemp_range", "dynatemp_exponent", "temperature_last",
         "top_k", "top_p", "min_p", "typical_p", "xtc_threshold", "xtc_probability",
         "repetition_penalty", "repetition_penalty_range", "presence_penalty", "frequency_penalty",
         "dry_multiplier", "dry_base", "dry_allowed_length", "dry_sequence_breakers",
@@ -55,6 +55,7 @@ class RequestSampler:
         self.params = params
         self.chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         self.grammar: Any = None
+        self.eog_ban: Any = None  # applied while fewer than min_tokens have been generated
         self._keep: list[Any] = []  # ctypes buffers that must outlive the samplers
         self._candidates: np.ndarray | None = None
         try:
@@ -64,6 +65,12 @@ class RequestSampler:
                     raise InvalidRequest("the grammar could not be parsed (see the server log)", param="grammar")
                 self.grammar = sampler
             self._build(vocab, eog_tokens, context_length)
+            if params.min_tokens > 0 and eog_tokens:
+                array = (llama_cpp.llama_logit_bias * len(eog_tokens))()
+                for i, token in enumerate(eog_tokens):
+                    array[i].token, array[i].bias = token, -math.inf
+                self._keep.append(array)
+                self.eog_ban = llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(eog_tokens), array)
         except BaseException:
             self.close()
             raise
@@ -149,14 +156,17 @@ class RequestSampler:
         for token in tokens[-window:]:
             llama_cpp.llama_sampler_accept(self.chain, token)
 
-    def sample(self, ctx: Any, index: int) -> tuple[int, float | None, list[tuple[int, float]] | None]:
-        """Sample the next token from output ``index`` of the last decode.
+    def sample(
+        self, ctx: Any, index: int, generated: int = 0
+    ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+        """Sample the next token from output ``index`` of the last decode (``generated`` tokens so far).
 
         Returns (token, logprob, top candidates) where the log probabilities (when asked for) come from
         the distribution the token was drawn from: after penalties, bias, temperature and truncation.
         """
         want = self.params.logprobs or self.params.top_logprobs > 0
-        if self.grammar is None and not want:
+        early = self.eog_ban is not None and generated < self.params.min_tokens
+        if self.grammar is None and not want and not early:
             return int(llama_cpp.llama_sampler_sample(self.chain, ctx, index)), None, None
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
         if self._candidates is None:
@@ -170,6 +180,8 @@ class RequestSampler:
         )
         if self.grammar is not None:
             llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(array))
+        if early:
+            llama_cpp.llama_sampler_apply(self.eog_ban, ctypes.byref(array))
         llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(array))
         size, selected = int(array.size), int(array.selected)
         if not 0 <= selected < size:
@@ -199,9 +211,11 @@ class RequestSampler:
         if self.chain:
             llama_cpp.llama_sampler_free(self.chain)
             self.chain = None
-        if self.grammar:
-            llama_cpp.llama_sampler_free(self.grammar)
-            self.grammar = None
+        for name in ("grammar", "eog_ban"):
+            sampler = getattr(self, name)
+            if sampler:
+                llama_cpp.llama_sampler_free(sampler)
+                setattr(self, name, None)
         self._keep.clear()
 
 

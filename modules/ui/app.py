@@ -5,7 +5,7 @@ from __future__ import annotations
 import gradio as gr
 
 from modules import extensions
-from modules.ui import chat_tab, model_tab
+from modules.ui import chat_tab, model_tab, session_tab
 
 CSS = """
 #chat-status { font-size: 0.85em; opacity: 0.8; }
@@ -17,11 +17,18 @@ def build_ui() -> gr.Blocks:
     with gr.Blocks(title="textgen") as demo:
         with gr.Tab("Chat", id="chat"):
             chat_tab.build()
+            for ext in extensions.implementers("ui"):
+                if not ext.params.get("is_tab"):
+                    with gr.Accordion(ext.display_name, open=False, elem_classes=["extension-block"]):
+                        extensions.call(ext, "ui")
         with gr.Tab("Model", id="model"):
             model_tab.build()
         for ext in extensions.implementers("ui"):
-            with gr.Tab(ext.display_name) if ext.params.get("is_tab") else gr.Accordion(ext.display_name, open=False):
-                extensions.call(ext, "ui")
+            if ext.params.get("is_tab"):
+                with gr.Tab(ext.display_name, elem_classes=["extension-tab"]):
+                    extensions.call(ext, "ui")
+        with gr.Tab("Session", id="session"):
+            session_tab.build()
     return demo
 
 

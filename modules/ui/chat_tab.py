@@ -28,19 +28,28 @@ def _params(preset: str, max_new_tokens: float) -> GenerationParams:
     return GenerationParams.from_dict({**base, "max_new_tokens": int(max_new_tokens)})
 
 
+def display(history: History) -> list[dict[str, Any]]:
+    """What the chat shows: each message's visible text (extensions may have changed it)."""
+    return [
+        {"role": m["role"], "content": m.get("visible", m["content"])}
+        for m in history
+        if m["role"] in ("user", "assistant")
+    ]
+
+
 def _run(updates: Iterator[engine.ChatUpdate], history: History) -> Iterator[tuple[Any, ...]]:
     try:
         for update in updates:
             history = update.history
             status = update.stats.summary() if update.stats else "Generating..."
-            yield history, history, status
+            yield display(history), history, status
     except TextgenError as exc:
         gr.Warning(str(exc))
-        yield history, history, f"Error: {exc}"
+        yield display(history), history, f"Error: {exc}"
     except Exception as exc:  # an unexpected failure: keep the history, say what happened
         log.exception("chat generation failed")
         gr.Warning(f"Generation failed: {exc}")
-        yield history, history, f"Error: generation failed ({type(exc).__name__}: {exc})"
+        yield display(history), history, f"Error: generation failed ({type(exc).__name__}: {exc})"
 
 
 def send(
@@ -48,13 +57,13 @@ def send(
 ) -> Iterator[tuple[Any, ...]]:
     """Send the user's message and stream the reply."""
     if not text.strip():
-        yield history, history, ""
+        yield display(history), history, ""
         return
     try:
         params = _params(preset, max_new)
     except TextgenError as exc:
         gr.Warning(str(exc))
-        yield history, history, f"Error: {exc}"
+        yield display(history), history, f"Error: {exc}"
         return
     yield from _run(engine.send(history, text, params, system=system, key=request.session_hash), history)
 
@@ -67,7 +76,7 @@ def regenerate(
         params = _params(preset, max_new)
     except TextgenError as exc:
         gr.Warning(str(exc))
-        yield history, history, f"Error: {exc}"
+        yield display(history), history, f"Error: {exc}"
         return
     yield from _run(engine.regenerate(history, params, system=system, key=request.session_hash), history)
 

@@ -1,0 +1,136 @@
+"""Text-to-image with a local diffusers pipeline folder from models/ (loaded once, kept until another is asked for)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modules import shared
+from modules.errors import InvalidRequest, ModelNotFound
+from modules.fileio import atomic_write_bytes
+from modules.paths import UnsafePath, safe_child
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_loaded: tuple[str, Any] | None = None
+MAX_PIXELS = 1024 * 1024
+
+
+@dataclass
+class Picture:
+    """A generated image saved under user_data/cache/images."""
+
+    id: str
+    path: Path
+    png: bytes
+
+
+def pipelines() -> list[str]:
+    """Folders in models/ that are diffusers pipelines (they have a model_index.json)."""
+    root = shared.models_dir()
+    return sorted(p.parent.name for p in root.glob("*/model_index.json")) if root.is_dir() else []
+
+
+def images_dir() -> Path:
+    """Where generated images are kept."""
+    return shared.user_data_dir() / "cache" / "images"
+
+
+def image_path(name: str) -> Path:
+    """A generated image's file by name (``ID.png``); nothing outside the folder."""
+    if not re.fullmatch(r"[0-9a-f]{32}\.png", name):
+        raise ModelNotFound(f"no image named {name!r}")
+    try:
+        return safe_child(images_dir(), name)
+    except UnsafePath as exc:
+        raise ModelNotFound(str(exc)) from exc
+
+
+def _pipeline(name: str) -> Any:
+    global _loaded
+    if _loaded is not None and _loaded[0] == name:
+        return _loaded[1]
+    try:
+        folder = safe_child(shared.models_dir(), name)
+    except UnsafePath as exc:
+        raise InvalidRequest(f"invalid image model name: {exc}", param="model") from exc
+    if not (folder / "model_index.json").is_file():
+        available = ", ".join(pipelines()) or "none"
+        raise ModelNotFound(f"no diffusers pipeline named {name!r} in {shared.models_dir()} (available: {available})")
+    try:
+        json.loads((folder / "model_index.json").read_text())
+    except ValueError as exc:
+        raise InvalidRequest(f"{name}/model_index.json is not valid JSON", param="model") from exc
+    import torch
+    from diffusers import DiffusionPipeline
+
+    _loaded = None  # free the previous pipeline first
+    pipe = DiffusionPipeline.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    _loaded = (name, pipe)
+    log.info("Loaded image pipeline %s (%s)", name, type(pipe).__name__)
+    return pipe
+
+
+def parse_size(size: str | None, default: tuple[int, int]) -> tuple[int, int]:
+    """'WIDTHxHEIGHT' -> (width, height), multiples of 8, at most a megapixel."""
+    if not size or size == "auto":
+        return default
+    match = re.fullmatch(r"(\d+)x(\d+)", size.strip())
+    if not match:
+        raise InvalidRequest("size must look like 512x512", param="size")
+    width, height = int(match.group(1)), int(match.group(2))
+    if width % 8 or height % 8 or width < 8 or height < 8 or width * height > MAX_PIXELS:
+        raise InvalidRequest("width and height must be multiples of 8, at most 1024x1024 pixels", param="size")
+    return width, height
+
+
+def generate(
+    prompt: str,
+    model: str,
+    *,
+    n: int = 1,
+    width: int = 512,
+    height: int = 512,
+    steps: int = 20,
+    seed: int | None = None,
+    negative_prompt: str | None = None,
+) -> list[Picture]:
+    """Generate ``n`` images and save them as PNG files."""
+    import io
+
+    import torch
+
+    if not prompt.strip():
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if not 1 <= n <= 8:
+        raise InvalidRequest("n must be between 1 and 8", param="n")
+    if not 1 <= steps <= 150:
+        raise InvalidRequest("steps must be between 1 and 150", param="steps")
+    with _lock:
+        pipe = _pipeline(model)
+        generator = torch.Generator("cpu").manual_seed(seed) if seed is not None and seed >= 0 else None
+        result = pipe(
+            prompt=prompt,
+            negative_prompt=negative_prompt or None,
+            num_images_per_prompt=n,
+            width=width,
+            height=height,
+            num_inference_steps=steps,
+            generator=generator,
+        )
+    pictures = []
+    for image in result.images:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        picture_id = uuid.uuid4().hex
+        path = images_dir() / f"{picture_id}.png"
+        atomic_write_bytes(path, buffer.getvalue())
+        pictures.append(Picture(picture_id, path, buffer.getvalue()))
+    return pictures
