@@ -216,3 +216,44 @@ def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
             "" if backend.max_parallel == 1 else "s",
         )
         return backend
+
+
+def list_loras() -> list[str]:
+    """Adapters in the LoRA folder (folders, or .gguf files for llama.cpp)."""
+    folder = shared.loras_dir()
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and p.name != "README.md")
+
+
+def apply_loras(names: list[str], weights: list[float] | None = None) -> list[str]:
+    """Replace the loaded model's adapters with ``names`` (scaled by ``weights``); returns what is applied.
+
+    Raises ModelNotLoaded, ModelNotFound for a missing adapter (nothing changes), or the backend's refusal.
+    """
+    with shared.model_lock:
+        backend = shared.model
+        if backend is None:
+            from modules.errors import ModelNotLoaded
+
+            raise ModelNotLoaded()
+        weights = list(weights) if weights is not None else [1.0] * len(names)
+        if len(weights) != len(names):
+            raise InvalidRequest("give one weight per LoRA", param="lora_weights")
+        paths = []
+        for name in names:
+            try:
+                path = safe_child(shared.loras_dir(), name)
+            except UnsafePath as exc:
+                raise InvalidRequest(f"invalid LoRA name: {exc}", param="lora_names") from exc
+            if not path.exists():
+                raise ModelNotFound(f"LoRA {name!r} is not in {shared.loras_dir()}")
+            paths.append(path)
+        if shared.loras:
+            backend.unload_lora(None)
+            shared.loras = []
+        for name, path, weight in zip(names, paths, weights, strict=True):
+            backend.load_lora(path, weight)
+            shared.loras.append(name)
+        log.info("LoRAs applied: %s", ", ".join(shared.loras) or "none")
+        return list(shared.loras)

@@ -14,8 +14,7 @@ from extensions.openai.errors import APIError
 from extensions.openai.protocol import ChatCompletionRequest, _Base
 from modules import models, shared
 from modules.embeddings import MODEL_NAME
-from modules.errors import InvalidRequest, ModelNotLoaded
-from modules.paths import UnsafePath, safe_child
+from modules.errors import InvalidRequest
 
 _CREATED = int(time.time())
 
@@ -87,13 +86,7 @@ async def unload_model() -> dict[str, str]:
 
 def lora_list() -> dict[str, Any]:
     """GET /v1/internal/lora/list"""
-    folder = shared.loras_dir()
-    names = (
-        sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and p.name != "README.md")
-        if folder.is_dir()
-        else []
-    )
-    return {"lora_names": names}
+    return {"lora_names": models.list_loras()}
 
 
 class LoraRequest(_Base):
@@ -103,42 +96,13 @@ class LoraRequest(_Base):
 
 async def lora_load(req: LoraRequest) -> dict[str, str]:
     """POST /v1/internal/lora/load: apply these adapters (replacing the current ones)."""
-    backend = shared.model
-    if backend is None:
-        raise ModelNotLoaded()
-    weights = req.lora_weights or [1.0] * len(req.lora_names)
-    if len(weights) != len(req.lora_names):
-        raise InvalidRequest("lora_weights must have one weight per LoRA", param="lora_weights")
-    paths = []
-    for name in req.lora_names:
-        try:
-            path = safe_child(shared.loras_dir(), name)
-        except UnsafePath as exc:
-            raise InvalidRequest(f"invalid LoRA name: {exc}", param="lora_names") from exc
-        if not path.exists():
-            raise APIError(
-                404, f"LoRA {name!r} is not in {shared.loras_dir()}", param="lora_names", code="lora_not_found"
-            )
-        paths.append(path)
-
-    def apply() -> None:
-        if shared.loras:
-            backend.unload_lora(None)
-        shared.loras = []
-        for name, path, weight in zip(req.lora_names, paths, weights, strict=True):
-            backend.load_lora(path, weight)
-            shared.loras.append(name)
-
-    await anyio.to_thread.run_sync(apply)
+    await anyio.to_thread.run_sync(models.apply_loras, req.lora_names, req.lora_weights)
     return {"status": "OK"}
 
 
 async def lora_unload() -> dict[str, str]:
     """POST /v1/internal/lora/unload"""
-    backend = shared.model
-    if backend is not None and shared.loras:
-        await anyio.to_thread.run_sync(backend.unload_lora, None)
-    shared.loras = []
+    await anyio.to_thread.run_sync(models.apply_loras, [])
     return {"status": "OK"}
 
 

@@ -76,3 +76,121 @@ def load_character(key: str) -> Character:
     raise InvalidRequest(
         f"character {key!r} does not exist (have: {', '.join(list_characters()) or 'none'})", param="character"
     )
+
+
+def _character_path(key: str) -> Path:
+    if not key.strip():
+        raise InvalidRequest("the character needs a name", param="character")
+    try:
+        return safe_child(characters_dir(), key.strip() + ".yaml")
+    except UnsafePath as exc:
+        raise InvalidRequest(f"invalid character name: {exc}", param="character") from exc
+
+
+def save_character(key: str, name: str, context: str, greeting: str = "", picture: bytes | None = None) -> Character:
+    """Create or replace a character (YAML, and a PNG picture beside it), atomically."""
+    from modules.fileio import atomic_write_bytes, atomic_write_yaml
+
+    path = _character_path(key)
+    atomic_write_yaml(path, {"name": name.strip() or key.strip(), "greeting": greeting, "context": context})
+    if picture is not None:
+        atomic_write_bytes(path.with_suffix(".png"), _as_png(picture))
+    return load_character(path.stem)
+
+
+def delete_character(key: str) -> None:
+    """Delete a character's files (its YAML/JSON and picture)."""
+    path = _character_path(key)
+    found = False
+    for suffix in (".yaml", ".yml", ".json", *PICTURE_SUFFIXES):
+        candidate = path.with_suffix(suffix)
+        if candidate.is_file():
+            candidate.unlink()
+            found = True
+    if not found:
+        raise InvalidRequest(f"character {key!r} does not exist", param="character")
+
+
+def _as_png(data: bytes) -> bytes:
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError) as exc:
+        raise InvalidRequest(f"the picture is not an image: {exc}", param="picture") from exc
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+@dataclass
+class Card:
+    """A TavernAI / SillyTavern character card, converted."""
+
+    name: str
+    context: str
+    greeting: str
+
+
+def parse_card(data: dict[str, Any]) -> Card:
+    """A v1 or v2 (``chara_card_v2``) card's JSON as our character fields."""
+    if data.get("spec") in ("chara_card_v2", "chara_card_v3") and isinstance(data.get("data"), dict):
+        data = data["data"]
+    name = str(data.get("name") or data.get("char_name") or "").strip()
+    if not name:
+        raise InvalidRequest("the card has no character name", param="card")
+    parts = []
+    description = str(data.get("description") or data.get("char_persona") or "").strip()
+    if description:
+        parts.append(description)
+    personality = str(data.get("personality") or "").strip()
+    if personality:
+        parts.append(f"{{{{char}}}}'s personality: {personality}")
+    scenario = str(data.get("scenario") or data.get("world_scenario") or "").strip()
+    if scenario:
+        parts.append(f"Scenario: {scenario}")
+    examples = str(data.get("mes_example") or data.get("example_dialogue") or "").strip()
+    if examples:
+        parts.append(examples.replace("<START>", "").strip())
+    greeting = str(data.get("first_mes") or data.get("char_greeting") or "")
+    return Card(name=name, context="\n\n".join(parts), greeting=greeting)
+
+
+def read_card(data: bytes) -> tuple[Card, bytes | None]:
+    """A card from PNG bytes (the ``chara`` text chunk, base64 JSON) or JSON bytes; returns the picture too."""
+    import base64
+    import io
+
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        from PIL import Image
+
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except OSError as exc:
+            raise InvalidRequest(f"the PNG cannot be read: {exc}", param="card") from exc
+        texts = getattr(image, "text", {}) or {}
+        raw = texts.get("ccv3") or texts.get("chara")
+        if not raw:
+            raise InvalidRequest("this PNG holds no character card (no 'chara' text chunk)", param="card")
+        try:
+            payload = json.loads(base64.b64decode(raw))
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(f"the card's 'chara' chunk is not base64 JSON: {exc}", param="card") from exc
+        return parse_card(payload), data
+    try:
+        payload = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidRequest("a card must be a PNG with a 'chara' chunk or a JSON file", param="card") from exc
+    if not isinstance(payload, dict):
+        raise InvalidRequest("the card's JSON must be an object", param="card")
+    return parse_card(payload), None
+
+
+def import_card(data: bytes, key: str | None = None) -> Character:
+    """Import a TavernAI/SillyTavern card (PNG v1/v2 or JSON) as a character; returns it."""
+    card, picture = read_card(data)
+    return save_character(key or card.name, card.name, card.context, card.greeting, picture)

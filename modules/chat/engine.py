@@ -1,7 +1,8 @@
-"""One chat turn: history + user message -> prompt -> streamed reply, as a growing history.
+"""Chat actions: send, regenerate (versions kept), continue, impersonate, edit, remove, send as the assistant.
 
 Messages are dicts with ``role`` and ``content`` (what the model sees); ``visible`` holds what the UI shows when
-an extension made it differ (``chat_input_modifier``, ``output_modifier``).
+an extension made it differ (``chat_input_modifier``, ``output_modifier``); a regenerated reply keeps its older
+texts in ``versions`` with the index of the one shown in ``version``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from modules import extensions
-from modules.chat.prompt import ChatOptions, build_chat_prompt
+from modules.chat.prompt import ChatOptions, build_chat_prompt, build_impersonate_prompt
+from modules.errors import InvalidRequest
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import GenerationStats, current_model, generate_reply, make_state
 
@@ -48,8 +50,12 @@ def stream_reply(
     system: str | None = None,
     cancel: threading.Event | None = None,
     key: str | None = None,
+    previous: Message | None = None,
 ) -> Iterator[ChatUpdate]:
-    """Generate the assistant's reply to ``history`` (or continue its last assistant message)."""
+    """Generate the assistant's reply to ``history`` (or continue its last assistant message).
+
+    ``previous`` is the reply being regenerated: its texts are kept as older versions of the new one.
+    """
     backend = current_model()
     options = options or ChatOptions(system=system)
     state = chat_state(params, options)
@@ -58,6 +64,7 @@ def stream_reply(
         state["name2"] = chat.character.name
     continuing = options.continue_last and bool(history) and history[-1]["role"] == "assistant"
     base = history[:-1] if continuing else history
+    older = list(previous.get("versions") or [previous["content"]]) if previous else []
     params = params.replace(stop=[*params.stop, *chat.stop])
     reply = chat.reply_prefix
     tokens: list[tuple[str, float | None]] = []
@@ -71,6 +78,13 @@ def stream_reply(
         ]
         text = reply if continuing else reply.lstrip()
         message: Message = {"role": "assistant", "content": text}
+        if older:
+            message["versions"] = [*older, text]
+            message["version"] = len(older)
+        elif continuing and history[-1].get("versions"):
+            versions = list(history[-1]["versions"])
+            versions[history[-1].get("version", len(versions) - 1)] = text
+            message["versions"], message["version"] = versions, history[-1].get("version", len(versions) - 1)
         if delta.stats is not None:
             state["reply_tokens"] = tokens
             visible = extensions.apply_modifier("output_modifier", text, state=state, is_chat=True)
@@ -94,16 +108,79 @@ def send(
 
 
 def regenerate(history: list[Message], params: GenerationParams, **kwargs: Any) -> Iterator[ChatUpdate]:
-    """Replace the last assistant reply with a new one."""
-    while history and history[-1]["role"] == "assistant":
-        history = history[:-1]
-    if not history:
-        return
-    yield ChatUpdate(history)
-    yield from stream_reply(history, params, **kwargs)
+    """Replace the last reply with a new one; the older replies stay browsable as versions."""
+    if not history or history[-1]["role"] != "assistant" or len(history) < 2:
+        raise InvalidRequest("there is no reply to regenerate")
+    previous = history[-1]
+    yield ChatUpdate(history[:-1])
+    yield from stream_reply(history[:-1], params, previous=previous, **kwargs)
 
 
 def continue_reply(history: list[Message], params: GenerationParams, **kwargs: Any) -> Iterator[ChatUpdate]:
     """Extend the last assistant message."""
+    if not history or history[-1]["role"] != "assistant":
+        raise InvalidRequest("there is no reply to continue")
     options = kwargs.pop("options", None) or ChatOptions(system=kwargs.pop("system", None))
     yield from stream_reply(history, params, options=replace(options, continue_last=True), **kwargs)
+
+
+def impersonate(
+    history: list[Message],
+    params: GenerationParams,
+    *,
+    options: ChatOptions | None = None,
+    cancel: threading.Event | None = None,
+    key: str | None = None,
+) -> Iterator[str]:
+    """Write the user's next message (the growing draft); the history is not changed."""
+    backend = current_model()
+    options = options or ChatOptions()
+    prompt, stops = build_impersonate_prompt(backend, history, options, params.max_new_tokens)
+    draft = ""
+    for delta in generate_reply(
+        prompt, params.replace(stop=[*params.stop, *stops]), cancel=cancel, key=key, backend=backend
+    ):
+        draft += delta.text
+        yield draft.lstrip()
+
+
+def set_version(history: list[Message], index: int, step: int) -> list[Message]:
+    """Show the previous (``step`` -1) or next (+1) version of message ``index``."""
+    if not 0 <= index < len(history):
+        raise InvalidRequest(f"message {index} does not exist")
+    message = dict(history[index])
+    versions = message.get("versions") or []
+    if len(versions) < 2:
+        return history
+    current = (message.get("version", len(versions) - 1) + step) % len(versions)
+    message["version"], message["content"] = current, versions[current]
+    message.pop("visible", None)
+    return [*history[:index], message, *history[index + 1 :]]
+
+
+def edit_message(history: list[Message], index: int, text: str) -> list[Message]:
+    """Replace the text of message ``index`` (and of its shown version)."""
+    if not 0 <= index < len(history):
+        raise InvalidRequest(f"message {index} does not exist")
+    message = {**history[index], "content": text}
+    message.pop("visible", None)
+    if message.get("versions"):
+        versions = list(message["versions"])
+        versions[message.get("version", len(versions) - 1)] = text
+        message["versions"] = versions
+    return [*history[:index], message, *history[index + 1 :]]
+
+
+def remove_last(history: list[Message]) -> tuple[list[Message], str]:
+    """Remove the last exchange (the last user message and what follows it); returns the user's text."""
+    for i in range(len(history) - 1, -1, -1):
+        if history[i]["role"] == "user":
+            return history[:i], str(history[i]["content"])
+    return [m for m in history if m["role"] == "system"], ""
+
+
+def send_as_assistant(history: list[Message], text: str) -> list[Message]:
+    """Add a message written by the user as the assistant's reply."""
+    if not text.strip():
+        raise InvalidRequest("the message is empty")
+    return [*history, {"role": "assistant", "content": text}]

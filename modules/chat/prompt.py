@@ -265,3 +265,47 @@ def build_chat_prompt(
         if modified != base:
             prompt += modified[len(base) :] if modified.startswith(base) else modified
     return ChatPrompt(prompt=prompt, stop=stops, reply_prefix=prefix, kept=kept, character=character)
+
+
+_MARKER = "\u2063IMPERSONATE\u2063"
+
+
+def build_impersonate_prompt(
+    backend: Backend, history: list[Message], options: ChatOptions, max_new_tokens: int
+) -> tuple[str, list[str]]:
+    """A prompt where the model writes the user's next message, and the stop strings that end it."""
+    if options.mode == "instruct":
+        template = instruction_template(backend, options.instruction_template)
+        system = [{"role": "system", "content": options.system}] if options.system else []
+
+        def build_instruct(kept: list[Message]) -> str:
+            text = render_messages(
+                backend,
+                [*system, *kept, {"role": "user", "content": _MARKER}],
+                template=template,
+                add_generation_prompt=False,
+            )
+            return text[: text.index(_MARKER)] if _MARKER in text else text
+
+        prompt, _ = fit_history(backend, build_instruct, history, max_new_tokens)
+        return prompt, []
+    character = load_character(options.character or DEFAULT_CHARACTER)
+    user = options.user_name or "You"
+    context = _substitute(character.context.strip(), character, user)
+
+    def build_chat(kept: list[Message]) -> str:
+        return (context + "\n\n" if context else "") + _transcript(kept, character, user, False) + f"{user}:"
+
+    prompt, _ = fit_history(backend, build_chat, history, max_new_tokens)
+    return prompt, [f"\n{character.name}:", f"\n{user}:"]
+
+
+def context_usage(
+    backend: Backend, history: list[Message], options: ChatOptions, max_new_tokens: int
+) -> tuple[int, int]:
+    """(tokens the next prompt takes, the context length)."""
+    try:
+        chat = build_chat_prompt(backend, history, options, max_new_tokens)
+    except InvalidRequest:
+        return 0, backend.context_length
+    return token_count(backend, chat.prompt), backend.context_length

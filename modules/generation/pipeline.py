@@ -318,3 +318,20 @@ def generate_text(prompt: str | list[int], params: GenerationParams, **kwargs: o
         if delta.stats is not None:
             stats = delta.stats
     return "".join(parts), stats
+
+
+def stream_text(prompt: str, params: GenerationParams, **kwargs: Any) -> Iterator[tuple[str, GenerationStats | None]]:
+    """A raw completion as (cumulative text, stats on the last item); the last text went through ``output_modifier``."""
+    text = ""
+    state: dict[str, Any] = kwargs.pop("state", None) or {}
+    for delta in generate_reply(prompt, params, state=state, is_chat=False, **kwargs):
+        text += delta.text
+        if delta.stats is not None:
+            text = extensions.apply_modifier("output_modifier", text, state=state, is_chat=False)
+        yield text, delta.stats
+
+
+def count_tokens(text: str) -> int:
+    """Tokens ``text`` takes with the loaded model (0 without one)."""
+    backend = shared.model
+    return len(encode_prompt(backend, text)) if backend is not None and text else 0

@@ -16,6 +16,22 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "exllamav2": ("modules.loaders.exllamav2", "ExLlamaV2Backend", "exllamav2"),
     "remote": ("modules.loaders.remote", "RemoteBackend", "httpx"),
 }
+# The settings each loader reads (the Model tab shows only these); the backend classes use the same tuples.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "llama.cpp": (
+        "n_ctx",
+        "threads",
+        "threads_batch",
+        "n_gpu_layers",
+        "n_batch",
+        "parallel",
+        "max_queue",
+        "prompt_cache",
+    ),
+    "transformers": (),
+    "exllamav2": (),
+    "remote": (),
+}
 _ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "hf": "transformers", "exl2": "exllamav2"}
 _extra: dict[str, type[Backend] | Callable[[], type[Backend]]] = {}
 
@@ -39,6 +55,17 @@ def unregister(name: str) -> None:
 def names() -> list[str]:
     """Every known loader name, built-in first."""
     return list(_BUILTIN) + [n for n in _extra if n not in _BUILTIN]
+
+
+def option_names(name: str) -> tuple[str, ...]:
+    """The settings a loader reads (for extension-registered loaders: their class's ``option_names``)."""
+    key = normalize(name)
+    if key in OPTIONS:
+        return OPTIONS[key]
+    try:
+        return tuple(get(key).option_names)
+    except BackendUnavailable:
+        return ()
 
 
 def available() -> dict[str, bool]:

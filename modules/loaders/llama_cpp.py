@@ -28,6 +28,7 @@ from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
 from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFull
 from modules.generation.params import GenerationParams
+from modules.loaders import OPTIONS
 from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
 from modules.loaders.llama_cpp_side import SideContext
@@ -98,9 +99,7 @@ class LlamaCppBackend(Backend):
     supports_grammar = True
     supports_logprobs = True
     supports_embeddings = True
-    option_names = (
-        "n_ctx", "threads", "threads_batch", "n_gpu_layers", "n_batch", "parallel", "max_queue", "prompt_cache"
-    )  # fmt: skip
+    option_names = OPTIONS["llama.cpp"]
     supported_params = SUPPORTED
 
     def __init__(self) -> None:

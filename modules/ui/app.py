@@ -5,10 +5,11 @@ from __future__ import annotations
 import gradio as gr
 
 from modules import extensions
-from modules.ui import chat_tab, model_tab, session_tab
+from modules.ui import chat_sidebar, chat_tab, model_tab, notebook_tab, parameters_tab, session_tab
 
 CSS = """
-#chat-status { font-size: 0.85em; opacity: 0.8; }
+#chat-status, #context-usage { font-size: 0.85em; opacity: 0.8; }
+#chatbot { font-size: 0.95em; }
 """
 
 
@@ -16,11 +17,21 @@ def build_ui() -> gr.Blocks:
     """The whole web UI as one Blocks app."""
     with gr.Blocks(title="textgen") as demo:
         with gr.Tab("Chat", id="chat"):
-            chat_tab.build()
+            with gr.Row():
+                with gr.Column(scale=4):
+                    chat = chat_tab.build()
+                with gr.Column(scale=1, min_width=280):
+                    side = chat_sidebar.build()
             for ext in extensions.implementers("ui"):
                 if not ext.params.get("is_tab"):
                     with gr.Accordion(ext.display_name, open=False, elem_classes=["extension-block"]):
                         extensions.call(ext, "ui")
+        with gr.Tab("Notebook", id="notebook"):
+            notebook = notebook_tab.build_notebook()
+        with gr.Tab("Default", id="default"):
+            default = notebook_tab.build_default()
+        with gr.Tab("Parameters", id="parameters"):
+            params = parameters_tab.build()
         with gr.Tab("Model", id="model"):
             model_tab.build()
         for ext in extensions.implementers("ui"):
@@ -29,6 +40,12 @@ def build_ui() -> gr.Blocks:
                     extensions.call(ext, "ui")
         with gr.Tab("Session", id="session"):
             session_tab.build()
+        chat_tab.wire(chat, params)
+        restore, restore_inputs, restore_outputs = chat_sidebar.wire(chat, side)
+        notebook_tab.wire(notebook, params, "-notebook")
+        notebook_tab.wire(default, params, "-default")
+        demo.load(restore, restore_inputs, restore_outputs)
+        demo.load(parameters_tab.ignored_text, None, params.ignored)
     return demo
 
 

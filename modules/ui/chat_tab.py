@@ -1,125 +1,377 @@
-"""Chat tab: history, input, Send / Stop / Regenerate / Clear, streaming replies."""
+"""Chat tab: the conversation, the input, and the actions (send, stop, regenerate, versions, continue, impersonate,
+remove, edit, send as the assistant). Histories and characters are in ui/chat_sidebar.py."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
 
 from modules import shared
 from modules.chat import engine
+from modules.chat import history as store
+from modules.chat.characters import DEFAULT_CHARACTER, list_characters
+from modules.chat.prompt import DEFAULT_CHAT_INSTRUCT_COMMAND, MODES, ChatOptions, context_usage
+from modules.chat.templates import list_instruction_templates
 from modules.errors import TextgenError
-from modules.generation import presets
-from modules.generation.params import GenerationParams
+from modules.ui.parameters_tab import ParamsUI
 
-NO_PRESET = "(defaults)"
-DEFAULT_PRESET = "Min-P"
+log = logging.getLogger(__name__)
 # A short system message works better with small models than their own long default one; editable in the UI.
 DEFAULT_SYSTEM_MESSAGE = "You are a helpful AI assistant."
-
-History = list[dict[str, Any]]
-log = logging.getLogger(__name__)
-
-
-def _params(preset: str, max_new_tokens: float) -> GenerationParams:
-    base = presets.load_preset(preset) if preset and preset != NO_PRESET else {}
-    return GenerationParams.from_dict({**base, "max_new_tokens": int(max_new_tokens)})
+MODEL_TEMPLATE = "(the model's own)"
+LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
 
 
-def display(history: History) -> list[dict[str, Any]]:
-    """What the chat shows: each message's visible text (extensions may have changed it)."""
-    return [
-        {"role": m["role"], "content": m.get("visible", m["content"])}
-        for m in history
-        if m["role"] in ("user", "assistant")
-    ]
+@dataclass
+class ChatUI:
+    """The chat tab's components."""
+
+    chatbot: Any
+    conv: Any  # gr.State: {"conv": Conversation JSON, "incognito": bool}
+    textbox: Any
+    pending: Any
+    send: Any
+    stop: Any
+    regenerate: Any
+    cont: Any
+    impersonate: Any
+    remove: Any
+    prev_version: Any
+    next_version: Any
+    as_assistant: Any
+    start_with: Any
+    status: Any
+    context: Any
+    show_all: Any
+    settings: list[Any]  # mode, character, user name, persona, system, template, command
 
 
-def _run(updates: Iterator[engine.ChatUpdate], history: History) -> Iterator[tuple[Any, ...]]:
+def user_of(request: gr.Request | None) -> tuple[str, bool]:
+    """(history owner, forced incognito): each signed-in user has their own histories with --multi-user."""
+    if not shared.settings.multi_user:
+        return store.DEFAULT_USER, False
+    name = getattr(request, "username", None) if request is not None else None
+    if name:
+        return str(name), False
+    return "anonymous", True  # without sign-in there is no owner to keep histories for
+
+
+WINDOW = 30  # long chats show their newest messages; "Show every message" lifts the limit
+
+
+def _shown_indexes(messages: list[dict[str, Any]], show_all: bool) -> list[int]:
+    indexes = [i for i, m in enumerate(messages) if m["role"] in ("user", "assistant")]
+    return indexes if show_all else indexes[-WINDOW:]
+
+
+def display(messages: list[dict[str, Any]], show_all: bool = False) -> list[dict[str, Any]]:
+    """What the chat shows: each message's visible text, the version counter on regenerated replies.
+
+    A long chat shows its newest ``WINDOW`` messages unless ``show_all``: streaming into a chat of hundreds of
+    rendered messages would make every token slow to appear.
+    """
+    shown = []
+    for i in _shown_indexes(messages, show_all):
+        m = messages[i]
+        text = m.get("visible", m["content"])
+        versions = m.get("versions")
+        if versions and len(versions) > 1:
+            text = f"{text}\n\n<sub>version {m.get('version', len(versions) - 1) + 1}/{len(versions)}</sub>"
+        shown.append({"role": m["role"], "content": text})
+    return shown
+
+
+def display_index(messages: list[dict[str, Any]], shown_index: int, show_all: bool = False) -> int:
+    """The history index of the ``shown_index``-th displayed message."""
+    return _shown_indexes(messages, show_all)[shown_index]
+
+
+def options_of(
+    mode: str, character: str, user_name: str, bio: str, system: str, template: str, command: str, start_with: str = ""
+) -> ChatOptions:
+    """ChatOptions from the chat settings' values."""
+    return ChatOptions(
+        mode=mode,
+        character=character or DEFAULT_CHARACTER,
+        user_name=user_name or "You",
+        user_bio=bio or "",
+        system=system or None,
+        instruction_template=None if not template or template == MODEL_TEMPLATE else template,
+        chat_instruct_command=command or DEFAULT_CHAT_INSTRUCT_COMMAND,
+        start_with=start_with or "",
+    )
+
+
+def new_state(request: gr.Request | None, character: str, mode: str, greeting: str = "") -> dict[str, Any]:
+    """A fresh conversation for this user."""
+    user, forced = user_of(request)
+    conv = store.new_conversation(character or DEFAULT_CHARACTER, user=user, mode=mode, greeting=greeting)
+    return {"conv": conv.to_json(), "incognito": forced}
+
+
+def conversation(state: dict[str, Any], request: gr.Request | None) -> store.Conversation:
+    """The Conversation behind a state (for this user)."""
+    user, _ = user_of(request)
+    data = state.get("conv") or {}
+    return store.from_json(data, user=user, character=str(data.get("character") or DEFAULT_CHARACTER))
+
+
+def persist(state: dict[str, Any], messages: list[dict[str, Any]], request: gr.Request | None) -> dict[str, Any]:
+    """Store the messages in the state and, unless the chat is incognito, on disk."""
+    conv = conversation(state, request)
+    conv.messages = messages
+    if not state.get("incognito") and any(m["role"] == "user" for m in messages):
+        store.save(conv)
+    return {**state, "conv": conv.to_json()}
+
+
+def usage_text(messages: list[dict[str, Any]], options: ChatOptions, max_new: int) -> str:
+    """'Context: used / size tokens'."""
+    backend = shared.model
+    if backend is None:
+        return "Context: no model loaded"
     try:
-        for update in updates:
-            history = update.history
-            status = update.stats.summary() if update.stats else "Generating..."
-            yield display(history), history, status
-    except TextgenError as exc:
-        gr.Warning(str(exc))
-        yield display(history), history, f"Error: {exc}"
-    except Exception as exc:  # an unexpected failure: keep the history, say what happened
-        log.exception("chat generation failed")
-        gr.Warning(f"Generation failed: {exc}")
-        yield display(history), history, f"Error: generation failed ({type(exc).__name__}: {exc})"
+        used, size = context_usage(backend, messages, options, max_new)
+    except TextgenError:
+        return ""
+    return f"Context: {used} / {size} tokens ({100 * used // max(size, 1)}%)"
 
 
-def send(
-    text: str, history: History, preset: str, max_new: float, system: str, request: gr.Request
-) -> Iterator[tuple[Any, ...]]:
-    """Send the user's message and stream the reply."""
-    if not text.strip():
-        yield display(history), history, ""
-        return
-    try:
-        params = _params(preset, max_new)
-    except TextgenError as exc:
-        gr.Warning(str(exc))
-        yield display(history), history, f"Error: {exc}"
-        return
-    yield from _run(engine.send(history, text, params, system=system, key=request.session_hash), history)
-
-
-def regenerate(
-    history: History, preset: str, max_new: float, system: str, request: gr.Request
-) -> Iterator[tuple[Any, ...]]:
-    """Replace the last reply."""
-    try:
-        params = _params(preset, max_new)
-    except TextgenError as exc:
-        gr.Warning(str(exc))
-        yield display(history), history, f"Error: {exc}"
-        return
-    yield from _run(engine.regenerate(history, params, system=system, key=request.session_hash), history)
-
-
-def stop(request: gr.Request) -> None:
-    """Stop this browser session's generation."""
-    shared.stop_generation(request.session_hash)
-
-
-def build() -> None:
-    """Create the chat tab's components and events inside the current Blocks context."""
-    history = gr.State([])
-    chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=520, buttons=["copy"], placeholder="Say something.")
+def build() -> ChatUI:
+    """Create the chat's components (the events are wired once the parameters exist)."""
+    conv = gr.State({})
+    chatbot = gr.Chatbot(
+        label="Chat",
+        elem_id="chatbot",
+        height=560,
+        buttons=["copy", "copy_all"],
+        editable="all",
+        latex_delimiters=LATEX,
+        placeholder="Say something.",
+        feedback_options=None,
+    )
     with gr.Row():
         textbox = gr.Textbox(show_label=False, placeholder="Send a message", elem_id="chat-input", scale=8, lines=2)
-        send_btn = gr.Button("Send", variant="primary", elem_id="send", scale=1)
+        send = gr.Button("Send", variant="primary", elem_id="send", scale=1)
+        stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
     with gr.Row():
-        stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
-        regen_btn = gr.Button("Regenerate", elem_id="regenerate")
-        clear_btn = gr.Button("Clear", elem_id="clear")
+        regenerate = gr.Button("Regenerate", elem_id="regenerate", size="sm")
+        prev_version = gr.Button("◀ version", elem_id="prev-version", size="sm")
+        next_version = gr.Button("version ▶", elem_id="next-version", size="sm")
+        cont = gr.Button("Continue", elem_id="continue", size="sm")
+        impersonate = gr.Button("Impersonate", elem_id="impersonate", size="sm")
+        remove = gr.Button("Remove last", elem_id="remove-last", size="sm")
+        as_assistant = gr.Button("Send as assistant", elem_id="send-as-assistant", size="sm")
+    with gr.Row():
+        start_with = gr.Textbox(label="Start reply with", elem_id="start-with", scale=3)
+        context = gr.Markdown(elem_id="context-usage")
     status = gr.Markdown("", elem_id="chat-status")
-    with gr.Accordion("Generation", open=False):
-        choices = [NO_PRESET, *presets.list_presets()]
-        default = shared.ui_defaults.get("preset", DEFAULT_PRESET)
-        preset = gr.Dropdown(
-            choices, value=default if default in choices else NO_PRESET, label="Preset", elem_id="chat-preset"
-        )
-        max_new = gr.Slider(
-            1, 4096, value=int(shared.ui_defaults.get("max_new_tokens", 512)), step=1, label="max_new_tokens"
-        )
+    show_all = gr.Checkbox(False, label=f"Show every message (long chats show the newest {WINDOW})", elem_id="show-all")
+    with gr.Accordion("Chat settings", open=False, elem_id="chat-settings"):
+        with gr.Row():
+            mode = gr.Radio(
+                list(MODES), value=str(shared.ui_defaults.get("mode", "instruct")), label="Mode", elem_id="chat-mode"
+            )
+            characters = list_characters()
+            character = gr.Dropdown(
+                characters,
+                value=DEFAULT_CHARACTER if DEFAULT_CHARACTER in characters else None,
+                label="Character",
+                elem_id="character-dropdown",
+                allow_custom_value=False,
+            )
         system = gr.Textbox(
             value=str(shared.ui_defaults.get("system_message", DEFAULT_SYSTEM_MESSAGE)),
-            label="System message (empty: the model's own default)",
+            label="System message (instruct mode; empty: the model's own default)",
             lines=2,
             elem_id="system-message",
         )
-
-    pending = gr.State("")  # the message being sent, so the textbox can clear at once
-    outputs = [chatbot, history, status]
-    for trigger in (send_btn.click, textbox.submit):
-        trigger(lambda text: ("", text), [textbox], [textbox, pending], queue=False).then(
-            send, [pending, history, preset, max_new, system], outputs, concurrency_limit=None
+        with gr.Row():
+            user_name = gr.Textbox(
+                value=str(shared.ui_defaults.get("user_name", "You")), label="Your name", elem_id="user-name"
+            )
+            bio = gr.Textbox(
+                value=str(shared.ui_defaults.get("user_bio", "")),
+                label="Your persona (chat modes)",
+                lines=2,
+                elem_id="user-bio",
+            )
+        template = gr.Dropdown(
+            [MODEL_TEMPLATE, *list_instruction_templates()], value=MODEL_TEMPLATE, label="Instruction template"
         )
-    regen_btn.click(regenerate, [history, preset, max_new, system], outputs, concurrency_limit=None)
-    stop_btn.click(stop, None, None, queue=False)
-    clear_btn.click(lambda: ([], [], ""), None, outputs, queue=False)
+        command = gr.Textbox(
+            value=DEFAULT_CHAT_INSTRUCT_COMMAND, label="Chat-instruct command (<|character|>, <|prompt|>)", lines=2
+        )
+    return ChatUI(
+        chatbot=chatbot, conv=conv, textbox=textbox, pending=gr.State(""), send=send, stop=stop, regenerate=regenerate,
+        cont=cont, impersonate=impersonate, remove=remove, prev_version=prev_version, next_version=next_version,
+        as_assistant=as_assistant, start_with=start_with, status=status, context=context, show_all=show_all,
+        settings=[mode, character, user_name, bio, system, template, command],
+    )  # fmt: skip
+
+
+def wire(ui: ChatUI, params: ParamsUI) -> None:
+    """Connect the chat's events; generation reads the Parameters tab."""
+    n_settings = len(ui.settings)
+    outputs = [ui.chatbot, ui.conv, ui.status, ui.context]
+
+    def split(values: tuple[Any, ...]) -> tuple[list[Any], ChatOptions, Any]:
+        settings = list(values[:n_settings])
+        mode, character, user_name, bio, system, template, command = settings
+        options = options_of(mode, character, user_name, bio, system, template, command, start_with=values[n_settings])
+        return settings, options, params.to_params(*values[n_settings + 1 :])
+
+    def run(
+        updates: Iterator[engine.ChatUpdate],
+        state: dict[str, Any],
+        options: ChatOptions,
+        max_new: int,
+        request: gr.Request,
+    ) -> Iterator[tuple[Any, ...]]:
+        messages = list(state.get("conv", {}).get("messages", []))
+        before = len(messages)
+        try:
+            for update in updates:
+                messages = update.history
+                if update.stats is None:
+                    if len(messages) > before and messages[-1]["role"] == "user":
+                        before = len(messages)
+                        state = persist(state, messages, request)  # the user's message is saved before the reply
+                    yield display(messages, state.get("show_all", False)), state, "Generating...", gr.skip()
+                else:
+                    state = persist(state, messages, request)
+                    yield (
+                        display(messages, state.get("show_all", False)),
+                        state,
+                        update.stats.summary(),
+                        usage_text(messages, options, max_new),
+                    )
+        except TextgenError as exc:
+            gr.Warning(str(exc))
+            state = persist(state, messages, request)
+            yield display(messages, state.get("show_all", False)), state, f"Error: {exc}", gr.skip()
+        except Exception as exc:  # an unexpected failure: keep the history, say what happened
+            log.exception("chat generation failed")
+            gr.Warning(f"Generation failed: {exc}")
+            state = persist(state, messages, request)
+            yield (
+                display(messages, state.get("show_all", False)),
+                state,
+                f"Error: generation failed ({type(exc).__name__}: {exc})",
+                gr.skip(),
+            )
+
+    def on_send(request: gr.Request, text: str, state: dict[str, Any], *values: Any) -> Iterator[tuple[Any, ...]]:
+        _, options, gen = split(values)
+        if not text.strip():
+            yield gr.skip(), state, "", gr.skip()
+            return
+        messages = list(state.get("conv", {}).get("messages", []))
+        yield from run(
+            engine.send(messages, text, gen, options=options, key=request.session_hash),
+            state,
+            options,
+            gen.max_new_tokens,
+            request,
+        )
+
+    def on_regenerate(request: gr.Request, state: dict[str, Any], *values: Any) -> Iterator[tuple[Any, ...]]:
+        _, options, gen = split(values)
+        messages = list(state.get("conv", {}).get("messages", []))
+        yield from run(
+            engine.regenerate(messages, gen, options=options, key=request.session_hash),
+            state,
+            options,
+            gen.max_new_tokens,
+            request,
+        )
+
+    def on_continue(request: gr.Request, state: dict[str, Any], *values: Any) -> Iterator[tuple[Any, ...]]:
+        _, options, gen = split(values)
+        messages = list(state.get("conv", {}).get("messages", []))
+        yield from run(
+            engine.continue_reply(messages, gen, options=options, key=request.session_hash),
+            state,
+            options,
+            gen.max_new_tokens,
+            request,
+        )
+
+    def on_impersonate(request: gr.Request, state: dict[str, Any], *values: Any) -> Iterator[str]:
+        _, options, gen = split(values)
+        messages = list(state.get("conv", {}).get("messages", []))
+        try:
+            yield from engine.impersonate(messages, gen, options=options, key=request.session_hash)
+        except TextgenError as exc:
+            gr.Warning(str(exc))
+
+    def on_version(step: int) -> Any:
+        def change(state: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
+            messages = list(state.get("conv", {}).get("messages", []))
+            index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("versions")), None)
+            if index is None:
+                gr.Info("This reply has no other versions: regenerate it first.")
+                return gr.skip(), state
+            messages = engine.set_version(messages, index, step)
+            state = persist(state, messages, request)
+            return display(messages, state.get("show_all", False)), state
+
+        return change
+
+    def on_edit(data: gr.EditData, state: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
+        messages = list(state.get("conv", {}).get("messages", []))
+        shown = data.index if isinstance(data.index, int) else data.index[0]
+        value = data.value if isinstance(data.value, str) else str((data.value or {}).get("text", data.value))
+        try:
+            messages = engine.edit_message(
+                messages, display_index(messages, shown, state.get("show_all", False)), value
+            )
+        except (TextgenError, IndexError) as exc:
+            gr.Warning(f"Cannot edit: {exc}")
+            return display(messages, state.get("show_all", False)), state
+        state = persist(state, messages, request)
+        return display(messages, state.get("show_all", False)), state
+
+    def on_remove(state: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
+        messages, text = engine.remove_last(list(state.get("conv", {}).get("messages", [])))
+        state = persist(state, messages, request)
+        return display(messages, state.get("show_all", False)), state, text
+
+    def on_as_assistant(text: str, state: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
+        try:
+            messages = engine.send_as_assistant(list(state.get("conv", {}).get("messages", [])), text)
+        except TextgenError as exc:
+            gr.Warning(str(exc))
+            return gr.skip(), state, text
+        state = persist(state, messages, request)
+        return display(messages, state.get("show_all", False)), state, ""
+
+    def stop(request: gr.Request) -> None:
+        shared.stop_generation(request.session_hash)
+
+    gen_inputs = [*ui.settings, ui.start_with, *params.components]
+    for trigger in (ui.send.click, ui.textbox.submit):
+        trigger(lambda text: ("", text), [ui.textbox], [ui.textbox, ui.pending], queue=False).then(
+            on_send, [ui.pending, ui.conv, *gen_inputs], outputs, concurrency_limit=None, show_progress="hidden"
+        )
+    ui.regenerate.click(on_regenerate, [ui.conv, *gen_inputs], outputs, concurrency_limit=None, show_progress="hidden")
+    ui.cont.click(on_continue, [ui.conv, *gen_inputs], outputs, concurrency_limit=None, show_progress="hidden")
+    ui.impersonate.click(
+        on_impersonate, [ui.conv, *gen_inputs], ui.textbox, concurrency_limit=None, show_progress="hidden"
+    )
+    ui.prev_version.click(on_version(-1), ui.conv, [ui.chatbot, ui.conv], queue=False)
+    ui.next_version.click(on_version(+1), ui.conv, [ui.chatbot, ui.conv], queue=False)
+    ui.chatbot.edit(on_edit, ui.conv, [ui.chatbot, ui.conv], queue=False)
+    ui.remove.click(on_remove, ui.conv, [ui.chatbot, ui.conv, ui.textbox], queue=False)
+    ui.as_assistant.click(on_as_assistant, [ui.textbox, ui.conv], [ui.chatbot, ui.conv, ui.textbox], queue=False)
+    ui.stop.click(stop, None, None, queue=False)
+
+    def on_show_all(value: bool, state: dict[str, Any]) -> tuple[Any, ...]:
+        state = {**state, "show_all": bool(value)}
+        return display(list(state.get("conv", {}).get("messages", [])), state["show_all"]), state
+
+    ui.show_all.change(on_show_all, [ui.show_all, ui.conv], [ui.chatbot, ui.conv], queue=False)

@@ -1,13 +1,19 @@
-"""Model controls: pick a model from models/, load, unload, and see what is loaded."""
+"""Model tab: the models in models/ (size, format), the loader and only its options, load / unload / reload,
+LoRA adapters, and memory in use."""
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import gradio as gr
 
-from modules import models, shared
+from modules import loaders, models, shared
 from modules.errors import TextgenError
+from modules.lifecycle.memory import memory_text
+from modules.settings import Settings
+
+AUTO = "auto (from the format)"
 
 
 def status_text() -> str:
@@ -16,47 +22,131 @@ def status_text() -> str:
         return f"Loading **{shared.loading_model}**..."
     if shared.model is not None:
         loader = shared.model_options.get("loader", shared.model.loader_name)
-        return f"Loaded **{shared.model_name}** ({loader}, context {shared.model.context_length})"
+        loras = f", LoRAs: {', '.join(shared.loras)}" if shared.loras else ""
+        return f"Loaded **{shared.model_name}** ({loader}, context {shared.model.context_length}{loras})"
     if shared.load_error:
         return f"No model loaded. Last error: {shared.load_error}"
     return "No model loaded."
 
 
-def refresh() -> Any:
-    """Re-read the models folder."""
-    return gr.update(choices=models.model_names(), value=shared.model_name)
+def model_rows() -> list[list[Any]]:
+    """(name, format, size, loader) for the table."""
+    return [[m.name, m.format, f"{m.size_bytes / 2**20:,.1f} MiB", m.loader] for m in models.list_models()]
 
 
-def load(name: str | None) -> str:
-    """Load the chosen model, unloading the current one first."""
-    if not name:
-        gr.Warning("Pick a model first.")
-        return status_text()
-    try:
-        models.load_model(name)
-    except TextgenError as exc:
-        gr.Warning(str(exc))
-    return status_text()
+def _all_options() -> list[str]:
+    names: list[str] = []
+    for loader in loaders.names():
+        for option in loaders.option_names(loader):
+            if option not in names:
+                names.append(option)
+    return names
 
 
-def unload() -> str:
-    """Unload the current model."""
-    models.unload_model()
-    return status_text()
+def _option_component(name: str) -> Any:
+    info = Settings.model_fields[name]
+    kind = typing.get_args(info.annotation) or (info.annotation,)
+    value = getattr(shared.settings, name)
+    if bool in kind:
+        return gr.Checkbox(value=bool(value), label=name, info=info.description, elem_id=f"opt-{name}")
+    if int in kind or float in kind:
+        return gr.Number(
+            value=value, label=name, info=info.description, precision=0 if int in kind else None, elem_id=f"opt-{name}"
+        )
+    return gr.Textbox(
+        value="" if value is None else str(value), label=name, info=info.description, elem_id=f"opt-{name}"
+    )
 
 
 def build() -> None:
-    """Create the model controls inside the current Blocks context."""
+    """Create the tab and its events."""
+    table = gr.Dataframe(
+        model_rows(), headers=["model", "format", "size", "loader"], interactive=False, elem_id="models-table"
+    )
     with gr.Row():
         dropdown = gr.Dropdown(
             models.model_names(), value=shared.model_name, label="Model", elem_id="model-dropdown", scale=4
         )
-        refresh_btn = gr.Button("Refresh", scale=1)
-        load_btn = gr.Button("Load", variant="primary", elem_id="model-load", scale=1)
-        unload_btn = gr.Button("Unload", elem_id="model-unload", scale=1)
-    status = gr.Markdown(status_text(), elem_id="model-status")
-    refresh_btn.click(refresh, None, dropdown, queue=False)
-    load_btn.click(load, dropdown, status, concurrency_limit=1)
-    unload_btn.click(unload, None, status, concurrency_limit=1)
-    timer = gr.Timer(2.0)
-    timer.tick(status_text, None, status, queue=False, show_progress="hidden")
+        loader = gr.Dropdown([AUTO, *loaders.names()], value=AUTO, label="Loader", elem_id="loader-dropdown", scale=2)
+        refresh_btn = gr.Button("Refresh", scale=1, size="sm")
+    option_names = _all_options()
+    with gr.Accordion("Loader options (0 or empty: automatic)", open=True):
+        with gr.Row(equal_height=False):
+            components = []
+            for name in option_names:
+                with gr.Column(min_width=180):
+                    components.append(_option_component(name))
+    with gr.Row():
+        load_btn = gr.Button("Load", variant="primary", elem_id="model-load")
+        reload_btn = gr.Button("Reload", elem_id="model-reload")
+        unload_btn = gr.Button("Unload", elem_id="model-unload")
+    status = gr.Markdown(status_text, elem_id="model-status")
+    with gr.Accordion("LoRA adapters", open=False):
+        loras = gr.CheckboxGroup(models.list_loras(), label="Adapters in loras/", elem_id="lora-list")
+        apply_loras = gr.Button("Apply LoRAs", elem_id="lora-apply")
+    memory = gr.Markdown(memory_text, elem_id="memory")
+    gr.Markdown("*Download from the Hub, smart configuration and export come here with the model lifecycle work.*")
+
+    def visible_options(choice: str, name: str | None) -> list[Any]:
+        chosen = choice
+        if choice == AUTO and name:
+            try:
+                chosen = models.find_model(name).loader
+            except TextgenError:
+                chosen = ""
+        shown = set(loaders.option_names(chosen)) if chosen and chosen != AUTO else set(option_names)
+        return [gr.update(visible=n in shown) for n in option_names]
+
+    def overrides(values: tuple[Any, ...]) -> dict[str, Any]:
+        result = {}
+        for name, value in zip(option_names, values, strict=True):
+            automatic = Settings.model_fields[name].default is None
+            if value in ("", None) or (automatic and value == 0):
+                continue
+            result[name] = value
+        return result
+
+    def load(name: str | None, choice: str, *values: Any) -> tuple[str, str]:
+        if not name:
+            gr.Warning("Pick a model first.")
+            return status_text(), memory_text()
+        chosen = {} if choice == AUTO else {"loader": choice}
+        try:
+            models.load_model(name, {**chosen, **overrides(values)})
+        except TextgenError as exc:
+            gr.Warning(str(exc))
+        return status_text(), memory_text()
+
+    def reload(choice: str, *values: Any) -> tuple[str, str]:
+        if not shared.model_name:
+            gr.Warning("No model is loaded.")
+            return status_text(), memory_text()
+        return load(shared.model_name, choice, *values)
+
+    def unload() -> tuple[str, str]:
+        models.unload_model()
+        return status_text(), memory_text()
+
+    def apply(names: list[str]) -> tuple[str, str]:
+        try:
+            models.apply_loras(names or [])
+        except TextgenError as exc:
+            gr.Warning(str(exc))
+        return status_text(), memory_text()
+
+    def refresh() -> tuple[Any, Any, Any]:
+        return (
+            gr.update(choices=models.model_names(), value=shared.model_name),
+            model_rows(),
+            gr.update(choices=models.list_loras()),
+        )
+
+    loader.change(visible_options, [loader, dropdown], components, queue=False)
+    dropdown.change(visible_options, [loader, dropdown], components, queue=False)
+    load_btn.click(load, [dropdown, loader, *components], [status, memory], concurrency_limit=1)
+    reload_btn.click(reload, [loader, *components], [status, memory], concurrency_limit=1)
+    unload_btn.click(unload, None, [status, memory], concurrency_limit=1)
+    apply_loras.click(apply, loras, [status, memory], concurrency_limit=1)
+    refresh_btn.click(refresh, None, [dropdown, table, loras], queue=False)
+    timer = gr.Timer(3.0)
+    timer.tick(lambda: (status_text(), memory_text()), None, [status, memory], queue=False, show_progress="hidden")

@@ -6,56 +6,55 @@ import time
 
 import pytest
 
+from tests.browser.helpers import bot_messages, choose, new_chat, open_ui, set_deterministic, status
 from tests.conftest import ARTIFACTS
 
 pytestmark = pytest.mark.browser
 
 
-def open_chat(page, url: str, preset: str) -> None:
-    page.goto(url, wait_until="domcontentloaded")
-    page.wait_for_selector("#chat-input textarea")
-    page.get_by_text("Generation", exact=True).click()
-    page.locator("#chat-preset input").fill(preset)
-    page.keyboard.press("Enter")
-
-
-def bot_text(page) -> str:
-    messages = page.locator("#chatbot .message-row.bot-row, #chatbot [data-testid='bot']")
-    return messages.last.inner_text() if messages.count() else ""
-
-
 def test_capital_question_streams_paris(page, shared_server) -> None:
-    open_chat(page, shared_server.url, "Deterministic")
+    open_ui(page, shared_server.url)
+    new_chat(page)
+    set_deterministic(page)
     page.fill("#chat-input textarea", "What is the capital of France?")
     page.click("#send")
     snapshots: list[str] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        text = bot_text(page)
+        texts = bot_messages(page)
+        text = texts[-1] if texts else ""
         if text and (not snapshots or text != snapshots[-1]):
             snapshots.append(text)
-        if "finish:" in page.inner_text("#chat-status"):
+        if "finish:" in status(page):
             break
         time.sleep(0.02)
-    final = bot_text(page)
+    final = bot_messages(page)[-1]
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "chat-paris.png"), full_page=True)
     assert "Paris" in final
     assert len(snapshots) >= 2, f"the reply did not stream: {snapshots}"
-    assert "tokens/s" in page.inner_text("#chat-status")
+    assert "tokens/s" in status(page)
+    assert "Context:" in page.inner_text("#context-usage")
     assert page.input_value("#chat-input textarea") == ""
 
 
 def test_stop_ends_a_long_reply(page, shared_server) -> None:
-    open_chat(page, shared_server.url, "Creative")
+    open_ui(page, shared_server.url)
+    new_chat(page)
+    page.get_by_role("tab", name="Parameters").click()
+    choose(page, "#preset-dropdown", "Creative")
+    page.get_by_role("tab", name="Chat").click()
     page.locator("#chat-input textarea").fill("Write a very long story about a dragon and a knight.")
     page.click("#send")
-    page.wait_for_function("() => (document.querySelector('#chatbot')?.innerText || '').length > 80")
+    page.wait_for_function(
+        "() => ([...document.querySelectorAll('#chatbot [data-testid=bot]')].pop()?.innerText || '').length > 80"
+    )
     page.click("#stop")
-    page.wait_for_function("() => (document.querySelector('#chat-status')?.innerText || '').includes('finish:')")
-    status = page.inner_text("#chat-status")
-    assert "finish: cancelled" in status
-    stopped_at = bot_text(page)
+    page.wait_for_function(
+        "() => (document.querySelector('#chat-status [data-testid=markdown]')?.innerText || '').includes('finish:')"
+    )
+    assert "finish: cancelled" in status(page)
+    stopped_at = bot_messages(page)[-1]
     time.sleep(1.0)
-    assert bot_text(page) == stopped_at, "text kept arriving after Stop"
+    assert bot_messages(page)[-1] == stopped_at, "text kept arriving after Stop"
     assert len(stopped_at) > 20

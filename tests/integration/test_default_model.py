@@ -94,7 +94,9 @@ def test_chat_engine_streams_a_growing_history(with_default_model: Path) -> None
             final.history, GenerationParams(temperature=0, max_new_tokens=40), system=QUESTION[0]["content"]
         )
     )
-    assert again[-1].history == final.history  # greedy: the same reply again
+    reply = again[-1].history[-1]
+    assert reply["content"] == final.history[-1]["content"]  # greedy: the same reply again
+    assert reply["versions"] == [final.history[-1]["content"]] * 2
 
 
 def test_corrupt_gguf_fails_cleanly_then_a_good_model_loads(hub: object, models_dir: Path) -> None:

@@ -1,0 +1,159 @@
+"""UI latency with short and long chats: in the browser, the time from a streamed update arriving to it being
+painted, with 10 and with 500 messages in the history. Aim: the long chat within 2x of the short one.
+
+    python -m bench.ui_bench
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import Server, free_port, machine, percentile, write_result
+from modules.ui.chat_tab import WINDOW
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-dev-shm-usage"]
+
+# Record when each streamed update arrives (Gradio streams events over fetch) and when the chat is painted after a change.
+INSTRUMENT = """
+window.__arrivals = []; window.__paints = [];
+const nativeFetch = window.fetch;
+window.fetch = async function (...args) {
+  const response = await nativeFetch.apply(this, args);
+  const url = typeof args[0] === 'string' ? args[0] : args[0].url;
+  if (!url.includes('queue/data') || !response.body) return response;
+  const decoder = new TextDecoder();
+  const stream = response.body.pipeThrough(new TransformStream({
+    transform(chunk, controller) {
+      if (decoder.decode(chunk, { stream: true }).includes('process_generating')) window.__arrivals.push(performance.now());
+      controller.enqueue(chunk);
+    },
+  }));
+  return new Response(stream, { status: response.status, statusText: response.statusText, headers: response.headers });
+};
+window.__watch = () => {
+  const target = document.querySelector('#chatbot');
+  new MutationObserver(() => requestAnimationFrame(() => window.__paints.push(performance.now())))
+    .observe(target, { subtree: true, childList: true, characterData: true });
+};
+"""
+
+
+def conversation(n: int) -> dict[str, Any]:
+    """A saved chat with ``n`` messages of realistic length (some Markdown and code)."""
+    messages = []
+    for i in range(n):
+        if i % 2 == 0:
+            messages.append(
+                {
+                    "role": "user",
+                    "content": f"Question {i}: how do I sort a list of tuples by the second item in Python?",
+                }
+            )
+        else:
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": f"Answer {i}: use **sorted** with a key.\n\n```python\nitems = [(1, 'b'), (2, 'a')]\n"
+                    "print(sorted(items, key=lambda pair: pair[1]))\n```\n\nThis returns a new list; `list.sort` sorts in place. "
+                    * 2,
+                }
+            )
+    now = time.time()
+    return {
+        "id": f"bench-{n}",
+        "title": f"bench {n}",
+        "character": "Assistant",
+        "mode": "instruct",
+        "created": now,
+        "updated": now,
+        "messages": messages,
+    }
+
+
+def measure(n_messages: int, tokens: int = 64) -> dict[str, float]:
+    """Open a chat holding ``n_messages``, send one more, and time arrival-to-paint of every streamed update."""
+    from playwright.sync_api import sync_playwright
+
+    user_data = Path(tempfile.mkdtemp(prefix="ui-bench-"))
+    logs = user_data / "logs" / "default" / "Assistant"
+    logs.mkdir(parents=True)
+    (logs / f"bench-{n_messages}.json").write_text(json.dumps(conversation(n_messages)))
+    port = free_port()
+    argv = [
+        sys.executable,
+        "server.py",
+        "--listen-port",
+        str(port),
+        "--user-data-dir",
+        str(user_data),
+        "--n-ctx",
+        "2048",
+    ]
+    with Server(argv, port, "/health") as server, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.add_init_script(INSTRUMENT)
+        page.goto(server.url, wait_until="domcontentloaded")
+        page.wait_for_function(
+            f"() => document.querySelectorAll('#chatbot [data-testid=bot]').length >= {min(n_messages, WINDOW) // 2}",
+            timeout=120_000,
+        )
+        page.wait_for_timeout(1000)
+        page.evaluate("window.__watch()")
+        page.get_by_role("tab", name="Parameters").click()
+        box = page.locator("#param-max_new_tokens input[type=number]")
+        box.fill(str(tokens))
+        box.press("Enter")
+        page.locator("#param-ban_eos input").check()
+        page.get_by_role("tab", name="Chat").click()
+        page.evaluate("() => { window.__arrivals = []; window.__paints = []; }")
+        page.fill("#chat-input textarea", "And how do I sort in reverse order?")
+        page.click("#send")
+        page.wait_for_function(
+            "() => (document.querySelector('#chat-status [data-testid=markdown]')?.innerText || '').includes('finish:')",
+            timeout=180_000,
+        )
+        page.wait_for_timeout(500)
+        arrivals, paints = page.evaluate("[window.__arrivals, window.__paints]")
+        browser.close()
+    latencies = []
+    for arrived in arrivals:
+        painted = next((t for t in paints if t >= arrived), None)
+        if painted is not None:
+            latencies.append(painted - arrived)
+    if not latencies:
+        raise RuntimeError("no streamed update was painted")
+    return {
+        "messages": n_messages,
+        "updates": len(arrivals),
+        "median_ms": statistics.median(latencies),
+        "p95_ms": percentile(latencies, 0.95),
+        "mean_ms": statistics.fmean(latencies),
+    }
+
+
+def main() -> int:
+    short = measure(10)
+    long = measure(500)
+    ratio = long["median_ms"] / short["median_ms"]
+    result = {"short": short, "long": long, "ratio_median": ratio, "target": "<= 2.0"}
+    write_result("ui_latency", result)
+    m = machine()
+    print(f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, Debian chromium headless.")
+    print("| history | updates | median arrival-to-paint | p95 |")
+    print("|---|---|---|---|")
+    for row in (short, long):
+        print(f"| {row['messages']} messages | {row['updates']} | {row['median_ms']:.1f} ms | {row['p95_ms']:.1f} ms |")
+    print(f"ratio (500 / 10, medians): {ratio:.2f} (target <= 2.0)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Chat histories: one JSON file per conversation under user_data/logs/USER/CHARACTER/, written atomically.
+
+A conversation holds its messages (``role``, ``content``, optional ``visible`` and, for regenerated replies,
+``versions`` with the index of the one shown), a title, the character and mode, and timestamps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modules import shared
+from modules.errors import InvalidRequest
+from modules.fileio import atomic_write_text
+from modules.paths import UnsafePath, safe_child
+
+DEFAULT_USER = "default"
+ROLES = ("system", "user", "assistant")
+_NAME = re.compile(r"[^\w.\- ]+", re.UNICODE)
+
+
+@dataclass
+class Conversation:
+    """A saved chat."""
+
+    id: str
+    character: str
+    user: str = DEFAULT_USER
+    title: str = "New chat"
+    mode: str = "instruct"
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's contents."""
+        return asdict(self)
+
+
+def _folder_name(value: str) -> str:
+    cleaned = _NAME.sub("_", value).strip(" .") or "_"
+    return cleaned[:80]
+
+
+def logs_dir() -> Path:
+    """user_data/logs."""
+    return shared.user_data_dir() / "logs"
+
+
+def _dir(user: str, character: str) -> Path:
+    try:
+        return safe_child(safe_child(logs_dir(), _folder_name(user)), _folder_name(character))
+    except UnsafePath as exc:
+        raise InvalidRequest(f"invalid user or character name: {exc}") from exc
+
+
+def _path(user: str, character: str, conv_id: str) -> Path:
+    if not re.fullmatch(r"[0-9A-Za-z_-]{1,64}", conv_id):
+        raise InvalidRequest(f"invalid conversation id {conv_id!r}")
+    return _dir(user, character) / f"{conv_id}.json"
+
+
+def new_id() -> str:
+    """A sortable, unique conversation id."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def new_conversation(
+    character: str, user: str = DEFAULT_USER, mode: str = "instruct", greeting: str = ""
+) -> Conversation:
+    """A fresh conversation (not saved until it has a message)."""
+    conv = Conversation(id=new_id(), character=character, user=user, mode=mode)
+    if greeting:
+        conv.messages.append({"role": "assistant", "content": greeting})
+    return conv
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages from a file or an upload, checked; raises InvalidRequest naming what is wrong."""
+    if not isinstance(messages, list):
+        raise InvalidRequest("messages must be a list")
+    checked = []
+    for i, message in enumerate(messages):
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise InvalidRequest(f"message {i} needs a role ({', '.join(ROLES)}) and a text content")
+        entry: dict[str, Any] = {"role": message["role"], "content": message["content"]}
+        if isinstance(message.get("visible"), str):
+            entry["visible"] = message["visible"]
+        versions = message.get("versions")
+        if isinstance(versions, list) and versions and all(isinstance(v, str) for v in versions):
+            entry["versions"] = list(versions)
+            index = message.get("version", len(versions) - 1)
+            entry["version"] = index if isinstance(index, int) and 0 <= index < len(versions) else len(versions) - 1
+        checked.append(entry)
+    return checked
+
+
+def title_for(messages: list[dict[str, Any]]) -> str:
+    """A title from the first user message."""
+    first = next((m["content"] for m in messages if m["role"] == "user"), "")
+    text = " ".join(str(first).split())
+    return (text[:60] + "...") if len(text) > 60 else (text or "New chat")
+
+
+def save(conv: Conversation) -> Path:
+    """Write the conversation atomically (a crash leaves the old file or the new one, never half)."""
+    conv.updated = time.time()
+    if conv.title == "New chat":
+        conv.title = title_for(conv.messages)
+    path = _path(conv.user, conv.character, conv.id)
+    atomic_write_text(path, json.dumps(conv.to_json(), ensure_ascii=False, indent=1))
+    return path
+
+
+def load(user: str, character: str, conv_id: str) -> Conversation:
+    """Read a saved conversation."""
+    path = _path(user, character, conv_id)
+    if not path.is_file():
+        raise InvalidRequest(f"no conversation {conv_id!r} for {character}")
+    return from_json(json.loads(path.read_text(encoding="utf-8")), user=user, character=character)
+
+
+def from_json(data: Any, *, user: str, character: str) -> Conversation:
+    """A conversation from parsed JSON (a saved file or an upload); a bare message list is accepted too."""
+    if isinstance(data, list):
+        data = {"messages": data}
+    if not isinstance(data, dict):
+        raise InvalidRequest("a chat history must be a JSON object with 'messages' (or a list of messages)")
+    conv = Conversation(
+        id=str(data.get("id") or new_id()),
+        character=character,
+        user=user,
+        title=str(data.get("title") or "New chat"),
+        mode=str(data.get("mode") or "instruct"),
+        created=float(data.get("created") or time.time()),
+        updated=float(data.get("updated") or time.time()),
+        messages=validate_messages(data.get("messages", [])),
+    )
+    if not re.fullmatch(r"[0-9A-Za-z_-]{1,64}", conv.id):
+        conv.id = new_id()
+    return conv
+
+
+def list_conversations(user: str, character: str | None = None) -> list[dict[str, Any]]:
+    """Saved conversations (newest first): id, title, character, updated, message count."""
+    root = safe_child(logs_dir(), _folder_name(user)) if logs_dir().is_dir() else None
+    if root is None or not root.is_dir():
+        return []
+    folders = [_dir(user, character)] if character else [p for p in root.iterdir() if p.is_dir()]
+    found = []
+    for folder in folders:
+        for path in folder.glob("*.json"):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue  # an unreadable file is skipped, not fatal
+            found.append(
+                {
+                    "id": path.stem,
+                    "title": str(data.get("title", path.stem)),
+                    "character": str(data.get("character", folder.name)),
+                    "updated": float(data.get("updated", path.stat().st_mtime)),
+                    "messages": len(data.get("messages", [])),
+                }
+            )
+    return sorted(found, key=lambda c: c["updated"], reverse=True)
+
+
+def search(user: str, query: str, character: str | None = None) -> list[dict[str, Any]]:
+    """Conversations whose title or messages contain ``query`` (case-insensitive)."""
+    needle = query.strip().lower()
+    if not needle:
+        return list_conversations(user, character)
+    hits = []
+    for info in list_conversations(user, character):
+        conv = load(user, info["character"], info["id"])
+        text = conv.title + "\n" + "\n".join(str(m["content"]) for m in conv.messages)
+        if needle in text.lower():
+            hits.append(info)
+    return hits
+
+
+def rename(user: str, character: str, conv_id: str, title: str) -> Conversation:
+    """Give a conversation a new title."""
+    if not title.strip():
+        raise InvalidRequest("the title must not be empty")
+    conv = load(user, character, conv_id)
+    conv.title = title.strip()[:200]
+    save(conv)
+    return conv
+
+
+def delete(user: str, character: str, conv_id: str) -> None:
+    """Delete a conversation's file."""
+    path = _path(user, character, conv_id)
+    if not path.is_file():
+        raise InvalidRequest(f"no conversation {conv_id!r} for {character}")
+    path.unlink()
+
+
+def branch(conv: Conversation, index: int) -> Conversation:
+    """A new conversation holding the messages up to and including ``index``."""
+    if not 0 <= index < len(conv.messages):
+        raise InvalidRequest(f"message {index} does not exist (the chat has {len(conv.messages)})")
+    copy = Conversation(
+        id=new_id(),
+        character=conv.character,
+        user=conv.user,
+        title=f"{conv.title} (branch)",
+        mode=conv.mode,
+        messages=json.loads(json.dumps(conv.messages[: index + 1])),
+    )
+    return copy

@@ -1,0 +1,166 @@
+"""The full web UI in a real browser: versions, editing, characters, persistence, cards, notebook, presets, tabs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from tests.browser.helpers import (
+    bot_messages,
+    choose,
+    new_chat,
+    open_ui,
+    send,
+    set_deterministic,
+    status,
+    user_messages,
+    wait_reply,
+)
+from tests.conftest import ARTIFACTS
+
+pytestmark = pytest.mark.browser
+TABS = ["Chat", "Notebook", "Default", "Parameters", "Model", "Session"]
+
+
+def test_regenerate_and_browse_versions(page, shared_server) -> None:
+    open_ui(page, shared_server.url)
+    new_chat(page)
+    page.get_by_role("tab", name="Parameters").click()
+    choose(page, "#preset-dropdown", "Creative")
+    page.get_by_role("tab", name="Chat").click()
+    send(page, "Tell me one short fact about cats.")
+    first = bot_messages(page)[-1]
+    before = status(page)
+    page.click("#regenerate")
+    wait_reply(page, before)
+    second = bot_messages(page)[-1]
+    assert "version 2/2" in second
+    page.click("#prev-version")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')].pop()?.innerText.includes('version 1/2')"
+    )
+    shown = bot_messages(page)[-1]
+    assert shown.replace("version 1/2", "").strip() == first.strip()
+    page.click("#next-version")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')].pop()?.innerText.includes('version 2/2')"
+    )
+
+
+def test_edit_a_message(page, shared_server) -> None:
+    open_ui(page, shared_server.url)
+    new_chat(page)
+    set_deterministic(page)
+    send(page, "Say hello.")
+    page.locator("#chatbot [data-testid='bot']").last.hover()
+    page.locator("#chatbot button[aria-label=Edit]").last.click()
+    editor = page.locator("#chatbot textarea").first
+    editor.fill("EDITED REPLY 7731")
+    page.locator("#chatbot button[aria-label=Submit]").click()
+    page.wait_for_function("() => document.querySelector('#chatbot')?.innerText.includes('EDITED REPLY 7731')")
+    open_ui(page, shared_server.url)  # the edit was saved
+    assert any("EDITED REPLY 7731" in m for m in bot_messages(page))
+
+
+def test_history_survives_a_reload(page, shared_server) -> None:
+    open_ui(page, shared_server.url)
+    new_chat(page)
+    set_deterministic(page)
+    send(page, "Remember the word PINEAPPLE-4242.")
+    page.reload(wait_until="domcontentloaded")
+    page.wait_for_selector("#chat-input textarea")
+    page.wait_for_function("() => document.querySelector('#chatbot')?.innerText.includes('PINEAPPLE-4242')")
+    assert any("PINEAPPLE-4242" in m for m in user_messages(page))
+    options = page.locator("#chat-list input").first
+    options.click()
+    assert page.get_by_role("option", name="Remember the word PINEAPPLE-4242.", exact=False).count() >= 1
+
+
+def test_switch_character_in_chat_mode(page, shared_server) -> None:
+    open_ui(page, shared_server.url)
+    page.locator("#chat-settings").get_by_text("Chat settings", exact=True).first.click()
+    page.locator("#chat-mode").get_by_text("chat", exact=True).click()
+    choose(page, "#character-dropdown", "Storyteller")
+    page.wait_for_function("() => document.querySelector('#chatbot')?.innerText.includes('Gather round, traveller')")
+    set_deterministic(page)
+    send(page, "Tell me about the sea.")
+    assert len(bot_messages(page)) == 2 and bot_messages(page)[-1].strip()
+    choose(page, "#character-dropdown", "Assistant")
+    page.wait_for_function("() => !document.querySelector('#chatbot')?.innerText.includes('Gather round, traveller')")
+
+
+def card_png(name: str) -> bytes:
+    payload = {
+        "spec": "chara_card_v2",
+        "data": {"name": name, "description": f"{name} is a test pilot.", "first_mes": f"{name} reporting for duty!"},
+    }
+    image = Image.new("RGB", (64, 64), "teal")
+    info = PngInfo()
+    info.add_text("chara", base64.b64encode(json.dumps(payload).encode()).decode())
+    out = io.BytesIO()
+    image.save(out, format="PNG", pnginfo=info)
+    return out.getvalue()
+
+
+def test_import_a_png_card(page, shared_server, tmp_path: Path) -> None:
+    card = tmp_path / "pilot.png"
+    card.write_bytes(card_png("Pilot Nova"))
+    open_ui(page, shared_server.url)
+    page.locator("#chat-settings").get_by_text("Chat settings", exact=True).first.click()
+    page.locator("#chat-mode").get_by_text("chat", exact=True).click()
+    page.locator("#character-editor").get_by_text("Character", exact=True).first.click()
+    with page.expect_file_chooser() as chooser:
+        page.click("#card-upload")
+    chooser.value.set_files(str(card))
+    page.wait_for_function(
+        "() => document.querySelector('#sidebar-message')?.innerText.includes('Imported Pilot Nova')"
+    )
+    page.wait_for_function(
+        "() => document.querySelector('#chatbot')?.innerText.includes('Pilot Nova reporting for duty!')"
+    )
+    assert page.locator("#char-name input, #char-name textarea").first.input_value() == "Pilot Nova"
+
+
+def test_notebook_generation(page, shared_server) -> None:
+    open_ui(page, shared_server.url)
+    page.get_by_role("tab", name="Notebook").click()
+    page.fill("#notebook-text textarea", "The three primary colours are")
+    page.wait_for_function("() => /\\d+ tokens/.test(document.querySelector('#notebook-tokens')?.innerText || '')")
+    page.click("#notebook-generate")
+    page.wait_for_function(
+        "() => (document.querySelector('#notebook-status')?.innerText || '').includes('finish:')", timeout=60_000
+    )
+    text = page.input_value("#notebook-text textarea")
+    assert text.startswith("The three primary colours are") and len(text) > len("The three primary colours are") + 5
+
+
+def test_loading_a_preset_moves_the_sliders(page, shared_server) -> None:
+    open_ui(page, shared_server.url)
+    page.get_by_role("tab", name="Parameters").click()
+    choose(page, "#preset-dropdown", "Creative")
+    page.wait_for_function("() => document.querySelector('#param-temperature input[type=number]')?.value === '1.3'")
+    assert page.input_value("#param-min_p input[type=number]") == "0.08"
+    choose(page, "#preset-dropdown", "Top-P")
+    page.wait_for_function("() => document.querySelector('#param-top_p input[type=number]')?.value === '0.9'")
+    assert page.input_value("#param-min_p input[type=number]") == "0"
+    assert "ignores" in page.inner_text("#params-ignored")
+
+
+def test_screenshot_of_every_tab(page, shared_server) -> None:
+    open_ui(page, shared_server.url)
+    folder = ARTIFACTS / "tabs"
+    folder.mkdir(parents=True, exist_ok=True)
+    for tab in TABS:
+        page.get_by_role("tab", name=tab).click()
+        time.sleep(0.6)
+        page.screenshot(path=str(folder / f"{tab.lower()}.png"), full_page=True)
+        assert (folder / f"{tab.lower()}.png").stat().st_size > 5_000
+        if tab == "Model":
+            assert "Loaded" in page.inner_text("#model-status") and "RAM" in page.inner_text("#memory")
