@@ -22,7 +22,7 @@ $(DEV): $(STAMP) requirements-dev.txt
 
 # Setup: the virtual environment and the default model linked into models/.
 setup: $(STAMP)
-	@$(PY) -m modules.lifecycle.default_model --quiet
+	@$(PY) -m modules.lifecycle.default_model --hf --quiet
 
 dev: $(DEV) setup
 

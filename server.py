@@ -39,6 +39,7 @@ def create_app() -> FastAPI:
     if not shared.settings.nowebui:
         import gradio as gr
 
+        from modules.chat.history import images_dir
         from modules.ui.app import build_ui, custom_css, custom_js
 
         auth = shared.settings.auth_pairs() or None
@@ -53,6 +54,7 @@ def create_app() -> FastAPI:
             run_history=False,
             ssr_mode=False,
             show_error=True,
+            allowed_paths=[str(images_dir())],  # pictures attached to chat messages (random names)
         )
     return app
 

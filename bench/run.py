@@ -7,17 +7,20 @@ and the table into docs/performance.md.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import llama_engine
-from bench.common import ROOT, machine, write_result
+from bench import llama_engine, transformers_engine, ui_bench
+from bench.common import RESULTS, ROOT, machine, write_result
 
 BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "single_stream": llama_engine.single_stream,
     "concurrency": llama_engine.concurrency,
     "prompt_cache": llama_engine.prompt_cache,
+    "transformers": transformers_engine.pipeline_vs_generate,
+    "ui_latency": ui_bench.run,
 }
 DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -63,6 +66,27 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 r["target"],
             )
         ]
+    if name == "ui_latency":
+        short, long = r["short"], r["long"]
+        return [
+            (
+                "UI: streamed token to paint, median",
+                f"{long['median_ms']:.0f} ms (500 messages)",
+                f"{short['median_ms']:.0f} ms (10 messages)",
+                f"{r['ratio_median']:.2f}",
+                "<= 2",
+            ),
+        ]
+    if name == "transformers":
+        return [
+            (
+                "transformers, 128 tokens: tokens/s",
+                f"{r['textgen_tokens_per_s']:.1f}",
+                f"{r['raw_generate_tokens_per_s']:.1f} (model.generate)",
+                f"{r['ratio']:.3f}",
+                r["target"],
+            )
+        ]
     return [(name, "", "", str(r.get("ratio", "")), str(r.get("target", "")))]
 
 
@@ -88,13 +112,19 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
-    all_rows = []
     for name in names:
         print(f"running {name} ...", flush=True)
-        result = BENCHMARKS[name]()
-        path = write_result(name, result)
-        all_rows += rows(name, result)
+        path = write_result(name, BENCHMARKS[name]())
         print(f"  wrote {path.relative_to(ROOT)}")
+    # the table holds the latest result of every benchmark: this run's, and earlier ones not rerun
+    all_rows = []
+    stamps = []
+    for name in BENCHMARKS:
+        result_path = RESULTS / f"{name}.json"
+        if result_path.is_file():
+            result = json.loads(result_path.read_text())
+            all_rows += rows(name, result)
+            stamps.append(f"{name} {result.get('time', '')}")
     m = machine()
     text = table(all_rows)
     header = (
@@ -103,8 +133,7 @@ def main(argv: list[str]) -> int:
     print()
     print(header)
     print(text)
-    if set(names) == set(BENCHMARKS):
-        update_doc(f"{header}\n\n{text}")
+    update_doc(f"{header}\n\n{text}\n\nRun at: {'; '.join(stamps)}.")
     return 0
 
 

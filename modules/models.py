@@ -121,7 +121,7 @@ def find_model(name: str) -> ModelInfo:
 
 def detect_loader(info: ModelInfo) -> str:
     """The loader a model's format calls for."""
-    return {"gguf": "llama.cpp", "exl2": "exllamav2", "hf": "transformers"}[info.format]
+    return {"gguf": "llama.cpp", "exl2": "exllamav2", "hf": "transformers", "remote": "remote"}[info.format]
 
 
 def _hf_metadata(folder: Path) -> ModelMetadata:
@@ -180,8 +180,13 @@ def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
     on failure no model is loaded and the server keeps running.
     """
     with shared.model_lock:
-        info = find_model(name)
-        meta = inspect_model(info)
+        asked = (overrides or {}).get("loader") or shared.settings.loader
+        if asked and loaders.normalize(str(asked)) in loaders.NO_FILE:
+            info = ModelInfo(name=name, path=Path(name), format="remote", size_bytes=0)
+            meta = ModelMetadata(name=name)
+        else:
+            info = find_model(name)
+            meta = inspect_model(info)
         resolved = models_settings.resolve(info.name, info.path, meta, overrides)
         loader = loaders.normalize(resolved.loader or detect_loader(info))
         backend_cls = loaders.get(loader)

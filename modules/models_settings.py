@@ -101,7 +101,7 @@ def resolve(
     for pattern, values in user_patterns(model_name):
         _apply(result, values, f"models_settings.yaml [{pattern}]")
     own = model_yaml_path(model_path)
-    if own.is_file():
+    if model_path.exists() and own.is_file():
         try:
             _apply(result, read_yaml(own), own.name)
         except SettingsError as exc:

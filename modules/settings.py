@@ -67,6 +67,39 @@ class Settings(BaseModel):
     max_queue: int = Field(
         64, ge=0, description="Requests that may wait for a free slot; beyond that the API answers 503."
     )
+    # --- transformers ---
+    dtype: str = Field("auto", description="transformers: weights dtype (auto, float32, bfloat16, float16).")
+    load_in_8bit: bool = Field(False, description="transformers: load the weights in 8 bits with bitsandbytes.")
+    load_in_4bit: bool = Field(False, description="transformers: load the weights in 4 bits with bitsandbytes.")
+    compute_dtype: str = Field(
+        "float32", description="transformers 4-bit: dtype of the computations (float32, bfloat16, float16)."
+    )
+    quant_type: str = Field("nf4", description="transformers 4-bit: quantization type (nf4 or fp4).")
+    use_double_quant: bool = Field(False, description="transformers 4-bit: quantize the quantization constants too.")
+    cpu: bool = Field(False, description="transformers: run on the CPU even when a GPU is present.")
+    gpu_memory: list[str] = Field(
+        default_factory=list,
+        description="transformers: most memory to use on each GPU, e.g. 10GiB 8GiB (offloads the rest).",
+    )
+    cpu_memory: str | None = Field(None, description="transformers: most CPU memory for offloaded weights, e.g. 32GiB.")
+    attn_implementation: str | None = Field(
+        None, description="transformers: attention kernel (sdpa, eager, flash_attention_2)."
+    )
+    trust_remote_code: bool = Field(
+        False, description="transformers: run Python code shipped with a model (off: safer)."
+    )
+    # --- ExLlamaV2 ---
+    gpu_split: str | None = Field(
+        None, description="ExLlamaV2: GiB per GPU, comma-separated (e.g. 20,24); default: automatic."
+    )
+    cache_8bit: bool = Field(False, description="ExLlamaV2: 8-bit KV cache.")
+    cache_q4: bool = Field(False, description="ExLlamaV2: 4-bit KV cache.")
+    max_seq_len: int | None = Field(None, ge=16, description="ExLlamaV2: context length. Default: the model's.")
+    # --- remote engine ---
+    remote_url: str | None = Field(
+        None, description="remote: base URL of an OpenAI-compatible engine (vLLM, llama-server, textgen)."
+    )
+    remote_api_key: str | None = Field(None, description="remote: API key for that engine.")
     # --- server ---
     listen: bool = Field(False, description="Listen on all interfaces (0.0.0.0) instead of 127.0.0.1.")
     listen_host: str | None = Field(None, description="Host name or address to listen on (overrides --listen).")
@@ -87,6 +120,21 @@ class Settings(BaseModel):
     gradio_auth_path: Path | None = Field(None, description="File with one 'user:password' per line, for the web UI.")
     multi_user: bool = Field(False, description="Each signed-in user sees only their own chat histories.")
     verbose: bool = Field(False, description="Log debug messages, including every prompt.")
+
+    @field_validator("dtype", "compute_dtype")
+    @classmethod
+    def _dtype(cls, value: str) -> str:
+        value = value.lower()
+        if value not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("must be auto, float32, bfloat16 or float16")
+        return value
+
+    @field_validator("quant_type")
+    @classmethod
+    def _quant_type(cls, value: str) -> str:
+        if value.lower() not in ("nf4", "fp4"):
+            raise ValueError("must be nf4 or fp4")
+        return value.lower()
 
     @field_validator("loader")
     @classmethod

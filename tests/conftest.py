@@ -30,6 +30,29 @@ def default_model_path() -> Path:
     return path
 
 
+def hf_default_model() -> Path:
+    """The default model as a Hugging Face folder (made by setup; made here if missing)."""
+    from modules.lifecycle.default_model import make_hf_folder
+
+    return make_hf_folder(ROOT / "models")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of tiny random HF models and adapters, built once per session."""
+    from tests.fixtures.tiny_hf import build_tiny_llama, build_tiny_llava, build_tiny_lora
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    source = hf_default_model()
+    build_tiny_llama(root / "tiny-llama", source)
+    build_tiny_llama(root / "tiny-llama-bin", source, safetensors=False)
+    build_tiny_llava(root / "tiny-llava", source)
+    loras = root / "loras"
+    build_tiny_lora(loras / "lora-a", root / "tiny-llama", seed=1)
+    build_tiny_lora(loras / "lora-b", root / "tiny-llama", seed=2, targets=("k_proj", "o_proj"))
+    return root
+
+
 @pytest.fixture
 def user_data(tmp_path: Path) -> Path:
     """A fresh user_data folder holding copies of the shipped presets and templates."""
@@ -158,3 +181,17 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServ
         yield server
     finally:
         server.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu`` tests where torch sees no CUDA device."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -57,17 +57,23 @@ def anthropic_error(exc: BaseException) -> JSONResponse:
     )
 
 
-def _blocks_text(content: Any, where: str) -> tuple[str, list[dict[str, Any]], list[tuple[str, str]]]:
-    """(text, tool_use blocks, tool results) of a message's content."""
+def _blocks_text(
+    content: Any, where: str
+) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]], list[tuple[str, str]]]:
+    """(text, or OpenAI content parts when there are images; tool_use blocks; tool results) of a message."""
     if isinstance(content, str):
         return content, [], []
     if not isinstance(content, list):
         raise InvalidRequest("content must be a string or a list of blocks", param=where)
-    texts, uses, results = [], [], []
+    texts: list[str] = []
+    uses: list[dict[str, Any]] = []
+    results: list[tuple[str, str]] = []
+    parts: list[dict[str, Any]] = []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(str(block.get("text", "")))
+            parts.append({"type": "text", "text": str(block.get("text", ""))})
         elif kind == "tool_use":
             uses.append(block)
         elif kind == "tool_result":
@@ -76,9 +82,18 @@ def _blocks_text(content: Any, where: str) -> tuple[str, list[dict[str, Any]], l
                 inner = "\n".join(str(b.get("text", "")) for b in inner if isinstance(b, dict))
             results.append((str(block.get("tool_use_id", "")), str(inner)))
         elif kind == "image":
-            raise InvalidRequest("the loaded model cannot see images", param=where)
+            source = block.get("source") or {}
+            if source.get("type") == "base64":
+                url = f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
+            elif source.get("type") == "url":
+                url = str(source.get("url", ""))
+            else:
+                raise InvalidRequest("an image block needs a base64 or url source", param=where)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
             raise InvalidRequest(f"unsupported content block {kind!r}", param=where)
+    if any(p["type"] == "image_url" for p in parts):
+        return parts, uses, results
     return "\n".join(texts), uses, results
 
 
@@ -96,6 +111,7 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         for tool_use_id, output in results:
             messages.append({"role": "tool", "tool_call_id": tool_use_id, "content": output})
         if uses:
+            text = text if isinstance(text, str) else ""
             calls = [
                 {
                     "id": u.get("id"),
@@ -169,7 +185,7 @@ async def create(body: dict[str, Any], request: Request) -> Any:
         chat_req = to_chat(req)
         backend = await core.serving_backend(request, req.model)
         job = await anyio.to_thread.run_sync(core.prepare_chat, chat_req, backend)
-        running = await core.start([job.prompt], [job.params], backend, chat=True)
+        running = await core.start([job.prompt], [job.params], backend, chat=True, images=job.images)
     except (APIError, Exception) as exc:
         return anthropic_error(exc)
     message_id = "msg_" + uuid.uuid4().hex

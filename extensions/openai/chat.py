@@ -72,7 +72,9 @@ async def create(req: ChatCompletionRequest, request: Request) -> Any:
     started = time.perf_counter()
     backend = await core.serving_backend(request, req.model)
     job = await core.anyio.to_thread.run_sync(core.prepare_chat, req, backend)
-    running = await core.start([job.prompt] * job.n, core.seeded(job.params, job.n), backend, chat=True)
+    running = await core.start(
+        [job.prompt] * job.n, core.seeded(job.params, job.n), backend, chat=True, images=job.images
+    )
     meta = {
         "id": "chatcmpl-" + uuid.uuid4().hex,
         "created": int(time.time()),

@@ -29,6 +29,7 @@ from modules.errors import InvalidRequest, ModelNotLoaded
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import Delta, DeltaBuilder, GenerationStats, current_model, launch_to, prepare
 from modules.generation.presets import load_preset
+from modules.images import load_image
 from modules.loaders.base import Backend, TokenEvent, TokenSink
 
 log = logging.getLogger(__name__)
@@ -127,34 +128,46 @@ def validate_schema(schema: Any, param: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ chat prompts
-def _text_of(content: Any, index: int, vision: bool) -> str:
+def _content(content: Any, index: int, vision: bool, images: list[Any]) -> str | list[dict[str, Any]]:
+    """A message's text; for a vision model, content parts with ``{"type": "image"}`` where images go."""
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+    where = f"messages[{index}].content"
     for part in content:
         kind = part.get("type")
         if kind in ("text", "input_text", "output_text"):
             texts.append(str(part.get("text", "")))
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
         elif kind in ("image_url", "input_image", "image"):
             if not vision:
                 raise InvalidRequest(
-                    "the loaded model cannot see images; send text only or load a vision model",
-                    param=f"messages[{index}].content",
+                    "the loaded model cannot see images; send text only or load a vision model", param=where
                 )
-            raise InvalidRequest("images are not supported by this endpoint yet", param=f"messages[{index}].content")
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else (url or part.get("url"))
+            if not isinstance(url, str):
+                raise InvalidRequest("an image part needs image_url.url", param=where)
+            images.append(load_image(url, where))
+            parts.append({"type": "image"})
         else:
-            raise InvalidRequest(f"unsupported content part type {kind!r}", param=f"messages[{index}].content")
-    return "\n".join(texts)
+            raise InvalidRequest(f"unsupported content part type {kind!r}", param=where)
+    return parts if any(p["type"] == "image" for p in parts) else "\n".join(texts)
 
 
-def template_messages(messages: list[ChatMessage], backend: Backend, template: str | None) -> list[dict[str, Any]]:
-    """OpenAI messages as the plain dicts chat templates expect."""
+def template_messages(
+    messages: list[ChatMessage], backend: Backend, template: str | None, images: list[Any] | None = None
+) -> list[dict[str, Any]]:
+    """OpenAI messages as the plain dicts chat templates expect (images collected into ``images``)."""
     knows_calls = bool(template) and "tool_calls" in str(template)
+    collected = images if images is not None else []
     result: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
-        text = _text_of(message.content, i, backend.supports_vision)
-        entry: dict[str, Any] = {"role": role, "content": text}
+        content = _content(message.content, i, backend.supports_vision, collected)
+        text = content if isinstance(content, str) else ""
+        entry: dict[str, Any] = {"role": role, "content": content}
         if message.name:
             entry["name"] = message.name
         if message.tool_calls:
@@ -194,6 +207,7 @@ class ChatJob:
     served_name: str
     reply_prefix: str = ""
     json_mode: bool = False
+    images: list[Any] = field(default_factory=list)
 
 
 def prepare_chat(req: ChatCompletionRequest, backend: Backend) -> ChatJob:
@@ -242,7 +256,10 @@ def prepare_chat(req: ChatCompletionRequest, backend: Backend) -> ChatJob:
 
     mode = req.mode or "instruct"
     template = instruction_template(backend, req.instruction_template) if mode != "chat" else None
-    messages = template_messages(req.messages, backend, template)
+    images: list[Any] = []
+    messages = template_messages(req.messages, backend, template, images)
+    if images and mode != "instruct":
+        raise InvalidRequest("images need the instruct mode", param="messages")
     template_kwargs: dict[str, Any] = {}
     if plan.active:
         if tooling.template_knows_tools(template):
@@ -281,6 +298,7 @@ def prepare_chat(req: ChatCompletionRequest, backend: Backend) -> ChatJob:
         served_name=req.model or shared.model_name or "",
         reply_prefix="",
         json_mode=json_mode,
+        images=images,
     )
 
 
@@ -323,7 +341,12 @@ class Running:
 
 
 async def start(
-    prompts: list[str | list[int]], params: list[GenerationParams], backend: Backend, *, chat: bool = False
+    prompts: list[str | list[int]],
+    params: list[GenerationParams],
+    backend: Backend,
+    *,
+    chat: bool = False,
+    images: list[Any] | None = None,
 ) -> Running:
     """Check and submit every generation now (so errors come back before any response is sent).
 
@@ -334,7 +357,7 @@ async def start(
 
     def submit() -> None:
         for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            prepared = prepare(prompt, p, backend, strict=True, is_chat=chat)
+            prepared = prepare(prompt, p, backend, strict=True, is_chat=chat, images=images or None)
             cancel = threading.Event()
             launch_to(prepared, backend, cancel, TokenSink(loop, running.queue, index))
             key = uuid.uuid4().hex

@@ -24,8 +24,10 @@ def _model_card(name: str, owned_by: str = "textgen") -> dict[str, Any]:
 
 
 def list_models() -> dict[str, Any]:
-    """GET /v1/models: the local models, then the embedding model."""
+    """GET /v1/models: the local models (and a remote engine's), then the embedding model."""
     names = models.model_names()
+    if shared.model is not None:
+        names += [n for n in shared.model.served_models() if n not in names]
     if shared.model_name and shared.model_name not in names:
         names.insert(0, shared.model_name)
     data = [_model_card(n) for n in names] + [_model_card(MODEL_NAME, "sentence-transformers")]
@@ -36,7 +38,13 @@ def get_model(model_id: str) -> dict[str, Any]:
     """GET /v1/models/{id}: 404 when there is no such model."""
     if model_id == MODEL_NAME:
         return _model_card(MODEL_NAME, "sentence-transformers")
-    if model_id == shared.model_name or model_id in models.model_names() or core._local_match(model_id):
+    served = shared.model.served_models() if shared.model is not None else []
+    if (
+        model_id == shared.model_name
+        or model_id in models.model_names()
+        or model_id in served
+        or core._local_match(model_id)
+    ):
         return _model_card(model_id)
     raise APIError(
         404,
@@ -49,11 +57,17 @@ def get_model(model_id: str) -> dict[str, Any]:
 
 def model_info() -> dict[str, Any]:
     """GET /v1/internal/model/info"""
+    backend = shared.model
+    meta = backend.metadata if backend else None
     return {
         "model_name": shared.model_name or "None",
         "lora_names": list(shared.loras),
-        "loader": shared.model_options.get("loader") if shared.model else None,
-        "context_length": shared.model.context_length if shared.model else None,
+        "loader": shared.model_options.get("loader") if backend else None,
+        "context_length": backend.context_length if backend else None,
+        "chat_template": meta.chat_template if meta else None,
+        "bos_token": meta.bos_token if meta else None,
+        "eos_token": meta.eos_token if meta else None,
+        "add_bos_token": meta.add_bos_token if meta else None,
     }
 
 

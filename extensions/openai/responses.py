@@ -194,7 +194,7 @@ async def create(req: ResponsesRequest, request: Request) -> Any:
     chat_req = to_chat(req)
     backend = await core.serving_backend(request, req.model)
     job = await anyio.to_thread.run_sync(core.prepare_chat, chat_req, backend)
-    running = await core.start([job.prompt], [job.params], backend, chat=True)
+    running = await core.start([job.prompt], [job.params], backend, chat=True, images=job.images)
     base = {
         "id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()), "model": job.served_name,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,

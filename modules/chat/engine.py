@@ -17,6 +17,7 @@ from modules.chat.prompt import ChatOptions, build_chat_prompt, build_impersonat
 from modules.errors import InvalidRequest
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import GenerationStats, current_model, generate_reply, make_state
+from modules.images import load_image
 
 Message = dict[str, Any]
 
@@ -69,8 +70,9 @@ def stream_reply(
     reply = chat.reply_prefix
     tokens: list[tuple[str, float | None]] = []
     state["user_input"] = next((str(m["content"]) for m in reversed(history) if m["role"] == "user"), "")
+    images = [load_image(path, "messages") for path in chat.images] or None
     for delta in generate_reply(
-        chat.prompt, params, cancel=cancel, key=key, backend=backend, state=state, is_chat=True
+        chat.prompt, params, cancel=cancel, key=key, backend=backend, state=state, is_chat=True, images=images
     ):
         reply += delta.text
         tokens += [
@@ -94,12 +96,20 @@ def stream_reply(
 
 
 def send(
-    history: list[Message], text: str, params: GenerationParams, *, options: ChatOptions | None = None, **kwargs: Any
+    history: list[Message],
+    text: str,
+    params: GenerationParams,
+    *,
+    options: ChatOptions | None = None,
+    images: list[str] | None = None,
+    **kwargs: Any,
 ) -> Iterator[ChatUpdate]:
-    """Add the user's message (through ``chat_input_modifier``) and stream the reply."""
+    """Add the user's message (through ``chat_input_modifier``) with its pictures, and stream the reply."""
     options = options or ChatOptions(system=kwargs.pop("system", None))
     internal, visible = extensions.apply_chat_input(text, text, chat_state(params, options))
     message: Message = {"role": "user", "content": internal}
+    if images:
+        message["images"] = list(images)
     if visible != internal:
         message["visible"] = visible
     history = [*history, message]

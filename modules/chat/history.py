@@ -95,6 +95,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message["role"], "content": message["content"]}
         if isinstance(message.get("visible"), str):
             entry["visible"] = message["visible"]
+        images = message.get("images")
+        if isinstance(images, list) and all(isinstance(i, str) for i in images):
+            entry["images"] = list(images)
         versions = message.get("versions")
         if isinstance(versions, list) and versions and all(isinstance(v, str) for v in versions):
             entry["versions"] = list(versions)
@@ -220,3 +223,21 @@ def branch(conv: Conversation, index: int) -> Conversation:
         messages=json.loads(json.dumps(conv.messages[: index + 1])),
     )
     return copy
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif")
+
+
+def images_dir() -> Path:
+    """Where pictures attached to chat messages are kept (random names; the web UI may serve this folder only)."""
+    return shared.user_data_dir() / "cache" / "chat-images"
+
+
+def store_image(source: Path) -> str:
+    """Copy a picture attached to a message; returns the stored file's path."""
+    from modules.fileio import atomic_write_bytes
+
+    suffix = source.suffix.lower() if source.suffix.lower() in IMAGE_SUFFIXES else ".png"
+    target = images_dir() / f"{secrets.token_hex(16)}{suffix}"
+    atomic_write_bytes(target, source.read_bytes())
+    return str(target)

@@ -53,6 +53,7 @@ class ChatPrompt:
     reply_prefix: str  # text already at the end of the prompt that belongs to the reply (start_with, continue)
     kept: int  # how many history messages fit
     character: Character | None = None
+    images: list[str] = field(default_factory=list)  # pictures of the kept messages, in order
 
 
 def model_template(backend: Backend) -> str | None:
@@ -84,6 +85,15 @@ def render_messages(
         eos_token=backend.metadata.eos_token,
         **extra,
     )
+
+
+def _with_image_parts(message: Message) -> Message:
+    """A message with pictures as the content parts chat templates of vision models expect."""
+    images = message.get("images")
+    if not images or not isinstance(message.get("content"), str):
+        return message
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": message["content"]}]
+    return {**message, "content": parts}
 
 
 def _continue(backend: Backend, template: str | None, messages: list[Message], **extra: Any) -> str:
@@ -119,7 +129,7 @@ def _builder(
         system = [{"role": "system", "content": options.system}] if options.system else []
 
         def build_instruct(history: list[Message]) -> str:
-            messages = system + history
+            messages = system + [_with_image_parts(m) for m in history]
             if options.continue_last and history and history[-1]["role"] == "assistant":
                 return _continue(backend, template, messages, **extra)
             return render_messages(backend, messages, template=template, **extra) + options.start_with
@@ -165,21 +175,21 @@ def token_count(backend: Backend, prompt: str) -> int:
 
 def fit_history(
     backend: Backend, build: Callable[[list[Message]], str], history: list[Message], max_new_tokens: int
-) -> tuple[str, int]:
+) -> tuple[str, list[Message]]:
     """Render with as many of the newest messages as fit, leaving room for the reply.
 
-    Returns the prompt and how many messages it keeps. If even the newest message does not fit, the
+    Returns the prompt and the messages it keeps. If even the newest message does not fit, the
     prompt is returned as is and the pipeline reports the overflow.
     """
     budget = backend.context_length - max(1, min(max_new_tokens, backend.context_length // 2))
     keep_always = {i for i, m in enumerate(history) if m.get("role") == "system"}
     droppable = [i for i in range(len(history) - 1) if i not in keep_always]
 
-    def attempt(cut: int) -> tuple[str, int, bool]:
+    def attempt(cut: int) -> tuple[str, list[Message], bool]:
         dropped = set(droppable[:cut])
         kept = [m for i, m in enumerate(history) if i not in dropped]
         prompt = build(kept)
-        return prompt, len(kept), token_count(backend, prompt) <= budget
+        return prompt, kept, token_count(backend, prompt) <= budget
 
     first = attempt(0)
     if first[2] or not droppable:
@@ -244,7 +254,8 @@ def build_chat_prompt(
     """
     state = state if state is not None else {}
     history = list(history)
-    if history and history[-1]["role"] == "user" and extensions.implementers("input_modifier"):
+    last_text = bool(history) and history[-1]["role"] == "user" and isinstance(history[-1]["content"], str)
+    if last_text and extensions.implementers("input_modifier"):
         text = extensions.apply_modifier("input_modifier", str(history[-1]["content"]), state=state, is_chat=True)
         history[-1] = {**history[-1], "content": text}
     if extensions.implementers("history_modifier"):
@@ -258,13 +269,17 @@ def build_chat_prompt(
     )
     if isinstance(custom, str):
         return ChatPrompt(prompt=custom, stop=stops, reply_prefix=prefix, kept=len(history), character=character)
-    prompt, kept = fit_history(backend, build, history, max_new_tokens)
+    prompt, kept_messages = fit_history(backend, build, history, max_new_tokens)
+    kept = len(kept_messages)
+    images = [path for m in kept_messages if m["role"] == "user" for path in m.get("images") or []]
+    if images and options.mode != "instruct":
+        raise InvalidRequest("pictures in messages need the instruct mode", param="messages")
     if extensions.implementers("bot_prefix_modifier") and not continuing:
         base = f"{character.name}:" if character is not None else ""
         modified = str(extensions.apply_modifier("bot_prefix_modifier", base, state=state))
         if modified != base:
             prompt += modified[len(base) :] if modified.startswith(base) else modified
-    return ChatPrompt(prompt=prompt, stop=stops, reply_prefix=prefix, kept=kept, character=character)
+    return ChatPrompt(prompt=prompt, stop=stops, reply_prefix=prefix, kept=kept, character=character, images=images)
 
 
 _MARKER = "\u2063IMPERSONATE\u2063"

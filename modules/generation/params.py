@@ -90,6 +90,7 @@ class GenerationParams:
     logit_bias: dict[int, float] = _f({}, "Add a bias to token ids' logits (-100 bans, +100 forces).", "constraints")
     grammar: str = _f("", "GBNF grammar the output must follow.", "constraints")
     json_schema: dict[str, Any] | None = _f(None, "JSON schema the output must validate against.", "constraints")
+    regex: str = _f("", "Regular expression the output must match (torch backends).", "constraints")
     logprobs: bool = _f(False, "Return the log probability of each generated token.", "output")
     top_logprobs: int = _f(0, "Also return this many most likely alternatives per token.", "output", ge=0, le=20)
 

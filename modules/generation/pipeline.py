@@ -91,6 +91,7 @@ class Prepared:
     started: float
     custom: Iterator[str] | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # prompt_text, model_inputs (images)
 
 
 def make_state(params: GenerationParams, **context: Any) -> dict[str, Any]:
@@ -112,6 +113,7 @@ def prepare(
     strict: bool = False,
     state: dict[str, Any] | None = None,
     is_chat: bool = False,
+    images: list[Any] | None = None,
 ) -> Prepared:
     """Apply the extensions' input hooks, tokenize and check; raises before anything runs.
 
@@ -145,7 +147,15 @@ def prepare(
             stopping_strings=list(params.stop),
             is_chat=is_chat,
         )
-    prompt_ids = encode_prompt(backend, prompt) if isinstance(prompt, str) else list(prompt)
+    extra: dict[str, Any] = {"prompt_text": prompt} if isinstance(prompt, str) else {}
+    if images:
+        if not backend.supports_vision:
+            raise InvalidRequest(f"the loaded model ({backend.loader_name}) cannot see images", param="messages")
+        if not isinstance(prompt, str):
+            raise InvalidRequest("images need a text prompt", param="prompt")
+        prompt_ids, extra["model_inputs"] = backend.encode_multimodal(prompt, images)
+    else:
+        prompt_ids = encode_prompt(backend, prompt) if isinstance(prompt, str) else list(prompt)
     if extensions.implementers("tokenizer_modifier"):
         text = prompt if isinstance(prompt, str) else backend.decode(prompt_ids)
         _, prompt_ids = extensions.apply_tokenizer(state, text, prompt_ids)
@@ -159,7 +169,7 @@ def prepare(
     )
     if shared.settings.verbose and isinstance(prompt, str):
         log.debug("Prompt (%d tokens):\n%s", len(prompt_ids), prompt)
-    return Prepared(prompt_ids, run_params, started, custom, state)
+    return Prepared(prompt_ids, run_params, started, custom, state, extra)
 
 
 def custom_events(texts: Iterator[str], cancel: threading.Event) -> Iterator[TokenEvent]:
@@ -184,13 +194,13 @@ def launch(prepared: Prepared, backend: Backend, cancel: threading.Event) -> Ite
     """Start a prepared generation and return its token events."""
     if prepared.custom is not None:
         return custom_events(prepared.custom, cancel)
-    return backend.generate(prepared.prompt_ids, prepared.params, cancel)
+    return backend.generate(prepared.prompt_ids, prepared.params, cancel, prepared.extra)
 
 
 def launch_to(prepared: Prepared, backend: Backend, cancel: threading.Event, sink: TokenSink) -> None:
     """Start a prepared generation whose events go to an asyncio ``sink``."""
     if prepared.custom is None:
-        backend.submit(prepared.prompt_ids, prepared.params, cancel, sink)
+        backend.submit(prepared.prompt_ids, prepared.params, cancel, sink, prepared.extra)
         return
     events = custom_events(prepared.custom, cancel)
 
@@ -272,6 +282,7 @@ def start_reply(
     backend: Backend | None = None,
     state: dict[str, Any] | None = None,
     is_chat: bool = False,
+    images: list[Any] | None = None,
 ) -> Iterator[Delta]:
     """Check and submit a generation now; return the iterator of its deltas (the last one carries the stats).
 
@@ -280,7 +291,7 @@ def start_reply(
     :func:`shared.stop_generation` with ``key``) ends the generation within one step.
     """
     backend = backend or current_model()
-    prepared = prepare(prompt, params, backend, strict=strict, state=state, is_chat=is_chat)
+    prepared = prepare(prompt, params, backend, strict=strict, state=state, is_chat=is_chat, images=images)
     cancel = cancel or threading.Event()
     events = launch(prepared, backend, cancel)
     key = key or uuid.uuid4().hex

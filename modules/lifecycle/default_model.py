@@ -50,19 +50,58 @@ def place_default_model(models_dir: Path) -> Path:
     return target
 
 
+HF_FOLDER = "SmolLM2-135M-Instruct"
+
+
+def make_hf_folder(models_dir: Path) -> Path:
+    """Turn the default GGUF into a Hugging Face folder (float32 safetensors) once; idempotent.
+
+    transformers dequantizes the GGUF and saves it, so the same weights are at hand for the transformers
+    backend. The folder appears only when complete (written beside it, then renamed).
+    """
+    target = models_dir / HF_FOLDER
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    gguf = place_default_model(models_dir)
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{HF_FOLDER}.", dir=models_dir))
+    try:
+        source = {"gguf_file": gguf.name, "local_files_only": True}
+        model = AutoModelForCausalLM.from_pretrained(
+            str(models_dir), dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **source
+        )
+        model.save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(models_dir), **source).save_pretrained(str(tmp))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models-dir", type=Path, default=ROOT / "models")
+    parser.add_argument("--hf", action="store_true", help="also make the Hugging Face folder (transformers)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     try:
         target = place_default_model(args.models_dir)
+        folder = make_hf_folder(args.models_dir) if args.hf else None
     except (FileNotFoundError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if not args.quiet:
         print(f"default model: {target} -> {target.resolve()}")
+        if folder:
+            print(f"transformers copy: {folder}")
     return 0
 
 

@@ -173,3 +173,21 @@ def write_lora_gguf(
     atomic_write_bytes(path, tmp.read_bytes())
     tmp.unlink()
     return path
+
+
+def requantize(source: Path, target: Path, ftype: int, allow_requantize: bool = True) -> Path:
+    """Write ``source`` in another llama.cpp file type (1 = F16, 7 = Q8_0, ...) with llama_model_quantize."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = allow_requantize
+    tmp = target.with_name(f".{target.name}.writing")
+    code = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
+    if code != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise GGUFError(f"llama.cpp could not write {target.name} (code {code})")
+    tmp.replace(target)
+    return target

@@ -13,7 +13,7 @@ from modules.loaders.base import Backend
 _BUILTIN: dict[str, tuple[str, str, str]] = {
     "llama.cpp": ("modules.loaders.llama_cpp", "LlamaCppBackend", "llama_cpp"),
     "transformers": ("modules.loaders.transformers", "TransformersBackend", "transformers"),
-    "exllamav2": ("modules.loaders.exllamav2", "ExLlamaV2Backend", "exllamav2"),
+    "exllamav2": ("modules.loaders.exllamav2", "ExLlamaV2Backend", "torch"),  # exllamav2 itself is checked on load
     "remote": ("modules.loaders.remote", "RemoteBackend", "httpx"),
 }
 # The settings each loader reads (the Model tab shows only these); the backend classes use the same tuples.
@@ -28,12 +28,29 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "max_queue",
         "prompt_cache",
     ),
-    "transformers": (),
-    "exllamav2": (),
-    "remote": (),
+    "transformers": (
+        "n_ctx",
+        "dtype",
+        "load_in_8bit",
+        "load_in_4bit",
+        "compute_dtype",
+        "quant_type",
+        "use_double_quant",
+        "cpu",
+        "gpu_memory",
+        "cpu_memory",
+        "attn_implementation",
+        "trust_remote_code",
+        "max_queue",
+    ),
+    "exllamav2": ("max_seq_len", "gpu_split", "cache_8bit", "cache_q4", "parallel", "max_queue"),
+    "remote": ("remote_url", "remote_api_key", "n_ctx", "parallel", "max_queue"),
 }
 _ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "hf": "transformers", "exl2": "exllamav2"}
 _extra: dict[str, type[Backend] | Callable[[], type[Backend]]] = {}
+
+
+NO_FILE = frozenset({"remote"})  # loaders that serve a model name, not a file in models/
 
 
 def normalize(name: str) -> str:

@@ -133,20 +133,36 @@ class Backend(ABC):
 
     @abstractmethod
     def generate(
-        self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        cancel: threading.Event,
+        extra: dict[str, Any] | None = None,
     ) -> Iterator[TokenEvent]:
         """Stream tokens until EOS, ``max_new_tokens``, the context end, or ``cancel`` is set.
 
-        The last event carries ``finish_reason``. May block while waiting for a free slot.
+        The last event carries ``finish_reason``. Raises QueueFull (or a refusal) before streaming.
+        ``extra`` may hold ``prompt_text`` (the prompt as text) and ``model_inputs`` (from encode_multimodal).
         """
 
-    def submit(self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event, sink: TokenSink) -> None:
+    def encode_multimodal(self, prompt: str, images: list[Any]) -> tuple[list[int], dict[str, Any]]:
+        """Token ids of a prompt with images, and the model inputs the images become (vision backends)."""
+        raise NotSupported(f"the {self.loader_name} backend cannot see images")
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        cancel: threading.Event,
+        sink: TokenSink,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         """Start a generation whose events go to ``sink`` (for asyncio consumers).
 
         Raises like :meth:`generate` before anything runs. This default runs :meth:`generate` in a thread;
         backends with a scheduler deliver from it directly.
         """
-        events = self.generate(prompt_ids, params, cancel)
+        events = self.generate(prompt_ids, params, cancel, extra)
 
         def pump() -> None:
             try:
@@ -183,6 +199,10 @@ class Backend(ABC):
     def fim_tokens(self) -> tuple[int, int, int] | None:
         """(prefix, suffix, middle) token ids for fill-in-the-middle, or None when the model has none."""
         return None
+
+    def served_models(self) -> list[str]:
+        """Other model names this backend answers for (a remote engine's list); empty for local models."""
+        return []
 
     def stats(self) -> dict[str, Any]:
         """Scheduler statistics (busy slots, queue depth, cache hits); empty when not applicable."""

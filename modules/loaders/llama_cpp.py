@@ -259,12 +259,23 @@ class LlamaCppBackend(Backend):
 
     # ---------------------------------------------------------------- generation
     def generate(
-        self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        cancel: threading.Event,
+        extra: dict[str, Any] | None = None,
     ) -> Iterator[TokenEvent]:
         """Queue the request (QueueFull when slots and queue are full) and return its token stream."""
         return self._stream(self._enqueue(prompt_ids, params, cancel, None))
 
-    def submit(self, prompt_ids: list[int], params: GenerationParams, cancel: threading.Event, sink: TokenSink) -> None:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        cancel: threading.Event,
+        sink: TokenSink,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         """Queue the request; the scheduler hands its events to ``sink``, all of a step's at once."""
         self._enqueue(prompt_ids, params, cancel, sink)
 

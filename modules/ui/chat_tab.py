@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -34,6 +35,8 @@ class ChatUI:
     conv: Any  # gr.State: {"conv": Conversation JSON, "incognito": bool}
     textbox: Any
     pending: Any
+    image: Any
+    pending_image: Any
     send: Any
     stop: Any
     regenerate: Any
@@ -78,6 +81,8 @@ def display(messages: list[dict[str, Any]], show_all: bool = False) -> list[dict
     for i in _shown_indexes(messages, show_all):
         m = messages[i]
         text = m.get("visible", m["content"])
+        pictures = "".join(f"![picture](/gradio_api/file={path})\n\n" for path in m.get("images") or [])
+        text = pictures + str(text)
         versions = m.get("versions")
         if versions and len(versions) > 1:
             text = f"{text}\n\n<sub>version {m.get('version', len(versions) - 1) + 1}/{len(versions)}</sub>"
@@ -155,7 +160,15 @@ def build() -> ChatUI:
         feedback_options=None,
     )
     with gr.Row():
-        textbox = gr.Textbox(show_label=False, placeholder="Send a message", elem_id="chat-input", scale=8, lines=2)
+        image = gr.Image(
+            type="filepath",
+            label="Picture (vision models)",
+            elem_id="chat-image",
+            height=90,
+            scale=1,
+            sources=["upload", "clipboard"],
+        )
+        textbox = gr.Textbox(show_label=False, placeholder="Send a message", elem_id="chat-input", scale=7, lines=2)
         send = gr.Button("Send", variant="primary", elem_id="send", scale=1)
         stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
     with gr.Row():
@@ -207,7 +220,7 @@ def build() -> ChatUI:
             value=DEFAULT_CHAT_INSTRUCT_COMMAND, label="Chat-instruct command (<|character|>, <|prompt|>)", lines=2
         )
     return ChatUI(
-        chatbot=chatbot, conv=conv, textbox=textbox, pending=gr.State(""), send=send, stop=stop, regenerate=regenerate,
+        chatbot=chatbot, conv=conv, textbox=textbox, pending=gr.State(""), image=image, pending_image=gr.State(None), send=send, stop=stop, regenerate=regenerate,
         cont=cont, impersonate=impersonate, remove=remove, prev_version=prev_version, next_version=next_version,
         as_assistant=as_assistant, start_with=start_with, status=status, context=context, show_all=show_all,
         settings=[mode, character, user_name, bio, system, template, command],
@@ -265,19 +278,17 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
                 gr.skip(),
             )
 
-    def on_send(request: gr.Request, text: str, state: dict[str, Any], *values: Any) -> Iterator[tuple[Any, ...]]:
+    def on_send(
+        request: gr.Request, text: str, picture: str | None, state: dict[str, Any], *values: Any
+    ) -> Iterator[tuple[Any, ...]]:
         _, options, gen = split(values)
-        if not text.strip():
+        if not text.strip() and not picture:
             yield gr.skip(), state, "", gr.skip()
             return
         messages = list(state.get("conv", {}).get("messages", []))
-        yield from run(
-            engine.send(messages, text, gen, options=options, key=request.session_hash),
-            state,
-            options,
-            gen.max_new_tokens,
-            request,
-        )
+        images = [store.store_image(Path(picture))] if picture else None
+        updates = engine.send(messages, text, gen, options=options, images=images, key=request.session_hash)
+        yield from run(updates, state, options, gen.max_new_tokens, request)
 
     def on_regenerate(request: gr.Request, state: dict[str, Any], *values: Any) -> Iterator[tuple[Any, ...]]:
         _, options, gen = split(values)
@@ -355,8 +366,17 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
 
     gen_inputs = [*ui.settings, ui.start_with, *params.components]
     for trigger in (ui.send.click, ui.textbox.submit):
-        trigger(lambda text: ("", text), [ui.textbox], [ui.textbox, ui.pending], queue=False).then(
-            on_send, [ui.pending, ui.conv, *gen_inputs], outputs, concurrency_limit=None, show_progress="hidden"
+        trigger(
+            lambda text, picture: ("", text, None, picture),
+            [ui.textbox, ui.image],
+            [ui.textbox, ui.pending, ui.image, ui.pending_image],
+            queue=False,
+        ).then(
+            on_send,
+            [ui.pending, ui.pending_image, ui.conv, *gen_inputs],
+            outputs,
+            concurrency_limit=None,
+            show_progress="hidden",
         )
     ui.regenerate.click(on_regenerate, [ui.conv, *gen_inputs], outputs, concurrency_limit=None, show_progress="hidden")
     ui.cont.click(on_continue, [ui.conv, *gen_inputs], outputs, concurrency_limit=None, show_progress="hidden")

@@ -1,0 +1,281 @@
+"""Remote backend: any OpenAI-compatible engine (vLLM, llama-server, another textgen) does the generating.
+
+Prompts are still built here (templates, history, extensions), then sent to the engine's ``/v1/completions`` with
+``stream: true``; the engine's text comes back as token events. Tokenization uses the engine's endpoint when it
+has one (textgen's ``/v1/internal/encode``, llama-server's ``/tokenize``, vLLM's ``/tokenize``); otherwise token
+counts are estimated at four characters per token. Closing the stream (Stop, a client gone) stops the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFull
+from modules.generation.params import GenerationParams
+from modules.loaders import OPTIONS
+from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TopLogprob
+
+log = logging.getLogger(__name__)
+# textgen's and text-generation-webui's sampler names; vLLM and llama-server understand the common ones.
+PASSTHROUGH = (
+    "top_k", "min_p", "typical_p", "repetition_penalty", "repetition_penalty_range", "dry_multiplier", "dry_base",
+    "dry_allowed_length", "xtc_threshold", "xtc_probability", "mirostat_mode", "mirostat_tau", "mirostat_eta",
+    "dynatemp_range", "dynatemp_exponent", "temperature_last", "top_a", "tfs", "epsilon_cutoff", "eta_cutoff",
+    "no_repeat_ngram_size", "ban_eos", "min_tokens", "grammar", "regex",
+)  # fmt: skip
+
+
+class RemoteBackend(Backend):
+    """A model served by another OpenAI-compatible engine."""
+
+    loader_name = "remote"
+    supports_logprobs = True
+    supports_grammar = True
+    option_names = OPTIONS["remote"]
+    supported_params = frozenset(GenerationParams.field_names())
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.client: httpx.Client | None = None
+        self.model_id = ""
+        self.models: list[str] = []
+        self._context = 4096
+        self._tokenizer: str | None = None  # "textgen" | "llama-server" | "vllm" | None
+        self._slots = threading.Semaphore(1)
+        self._waiting = 0
+        self._max_queue = 64
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: Path, options: dict[str, Any]) -> RemoteBackend:
+        """Connect, pick the model (``--model``, else the engine's first), learn its template and tokenizer."""
+        url = str(options.get("remote_url") or "").rstrip("/")
+        if not url:
+            raise ModelLoadError("the remote loader needs --remote-url (e.g. http://gpu-box:8000)")
+        url = url.removesuffix("/v1")
+        self = cls()
+        headers = {"Authorization": f"Bearer {options['remote_api_key']}"} if options.get("remote_api_key") else {}
+        self.client = httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(30, read=600))
+        try:
+            listing = self.client.get("/v1/models")
+            listing.raise_for_status()
+            data = listing.json().get("data", [])
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ModelLoadError(f"cannot reach the engine at {url}: {exc}") from exc
+        self.models = [str(m.get("id")) for m in data if m.get("id")]
+        wanted = str(path) if str(path) not in ("", ".") else ""
+        if wanted and self.models and wanted not in self.models:
+            raise ModelLoadError(f"the engine at {url} serves {', '.join(self.models)}, not {wanted!r}")
+        self.model_id = wanted or (self.models[0] if self.models else "")
+        card: dict[str, Any] = next((m for m in data if m.get("id") == self.model_id), {})
+        parallel = int(options.get("parallel") or 4)
+        self._slots = threading.Semaphore(parallel)
+        self.max_parallel = parallel
+        max_queue = options.get("max_queue")
+        self._max_queue = 64 if max_queue is None else int(max_queue)
+        self.metadata = ModelMetadata(name=self.model_id, architecture="remote", extra={"url": url})
+        info = self._engine_info()
+        trained = card.get("max_model_len") or info.get("context_length")
+        self._context = int(options.get("n_ctx") or trained or 4096)
+        self.metadata.context_length = int(trained) if trained else None
+        self.metadata.chat_template = info.get("chat_template")
+        self.metadata.bos_token = info.get("bos_token") or ""
+        self.metadata.eos_token = info.get("eos_token") or ""
+        self.metadata.add_bos_token = bool(info.get("add_bos_token", False))
+        self._tokenizer = self._find_tokenizer()
+        self.path = path
+        log.info("remote: %s at %s (tokenizer: %s)", self.model_id, url, self._tokenizer or "estimated")
+        return self
+
+    def _engine_info(self) -> dict[str, Any]:
+        """Template and special tokens from a textgen (model info) or llama-server (/props) engine."""
+        assert self.client is not None
+        for path in ("/v1/internal/model/info", "/props"):
+            try:
+                response = self.client.get(path)
+                if response.status_code == 200:
+                    data = response.json()
+                    if isinstance(data, dict):
+                        settings = data.get("default_generation_settings") or {}
+                        return {**data, "context_length": data.get("context_length") or settings.get("n_ctx")}
+            except (httpx.HTTPError, ValueError):
+                continue
+        return {}
+
+    def _find_tokenizer(self) -> str | None:
+        probes = [
+            ("textgen", "/v1/internal/encode", {"text": "hello"}),
+            ("llama-server", "/tokenize", {"content": "hello"}),
+            ("vllm", "/tokenize", {"model": self.model_id, "prompt": "hello"}),
+        ]
+        assert self.client is not None
+        for kind, path, body in probes:
+            try:
+                response = self.client.post(path, json=body)
+                if response.status_code == 200 and isinstance(response.json().get("tokens"), list):
+                    return kind
+            except (httpx.HTTPError, ValueError):
+                continue
+        return None
+
+    def unload(self) -> None:
+        """Close the connection (the engine keeps its model)."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def served_models(self) -> list[str]:
+        """The models the engine serves."""
+        return list(self.models)
+
+    @property
+    def context_length(self) -> int:
+        return self._context
+
+    def _require(self) -> httpx.Client:
+        if self.client is None:
+            raise ModelLoadError("the remote engine has been disconnected")
+        return self.client
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        client = self._require()
+        if self._tokenizer == "textgen":
+            return list(client.post("/v1/internal/encode", json={"text": text}).json()["tokens"])
+        if self._tokenizer == "llama-server":
+            return list(client.post("/tokenize", json={"content": text, "add_special": add_special}).json()["tokens"])
+        if self._tokenizer == "vllm":
+            body = {"model": self.model_id, "prompt": text, "add_special_tokens": add_special}
+            return list(client.post("/tokenize", json=body).json()["tokens"])
+        return [0] * max(1, len(text) // 4)  # no tokenizer endpoint: an estimate, for counting only
+
+    def decode(self, ids: list[int]) -> str:
+        client = self._require()
+        if self._tokenizer == "textgen":
+            response = client.post("/v1/internal/decode", json={"tokens": ids})
+            if response.status_code == 400:
+                raise InvalidRequest(response.json().get("error", {}).get("message", "invalid tokens"), param="tokens")
+            return str(response.json()["text"])
+        if self._tokenizer == "llama-server":
+            return str(client.post("/detokenize", json={"tokens": ids}).json()["content"])
+        if self._tokenizer == "vllm":
+            return str(client.post("/detokenize", json={"model": self.model_id, "tokens": ids}).json()["prompt"])
+        raise NotSupported("the remote engine offers no detokenizer")
+
+    def token_piece(self, token_id: int, special: bool = False) -> bytes:
+        return self.decode([token_id]).encode("utf-8") if self._tokenizer else b""
+
+    def _body(self, prompt_ids: list[int], params: GenerationParams, extra: dict[str, Any]) -> dict[str, Any]:
+        text = extra.get("prompt_text")
+        body: dict[str, Any] = {
+            "model": self.model_id,
+            "prompt": text if isinstance(text, str) and (text or not prompt_ids) else prompt_ids,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stream": True,
+            "seed": params.seed,
+        }
+        if params.stop:
+            body["stop"] = params.stop
+        if params.presence_penalty:
+            body["presence_penalty"] = params.presence_penalty
+        if params.frequency_penalty:
+            body["frequency_penalty"] = params.frequency_penalty
+        if params.logit_bias:
+            body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+        if params.logprobs or params.top_logprobs:
+            body["logprobs"] = max(1, params.top_logprobs)
+        if params.json_schema is not None:
+            body["json_schema"] = body["guided_json"] = params.json_schema
+        changed = params.non_default()
+        for name in PASSTHROUGH:
+            if name in changed:
+                body[name] = changed[name]
+        if params.grammar:
+            body["guided_grammar"] = params.grammar
+        if params.regex:
+            body["guided_regex"] = params.regex
+        return body
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        cancel: threading.Event,
+        extra: dict[str, Any] | None = None,
+    ) -> Iterator[TokenEvent]:
+        """Queue, then stream the engine's completion as token events."""
+        self._require()
+        with self._lock:
+            if self._waiting >= self._max_queue + self.max_parallel:
+                raise QueueFull()
+            self._waiting += 1
+        return self._stream(self._body(prompt_ids, params, extra or {}), cancel)
+
+    def _stream(self, body: dict[str, Any], cancel: threading.Event) -> Iterator[TokenEvent]:
+        client = self._require()
+        try:
+            while not self._slots.acquire(timeout=0.2):
+                if cancel.is_set():
+                    yield TokenEvent(-1, b"", finish_reason="cancelled")
+                    return
+            try:
+                yield from self._events(client, body, cancel)
+            finally:
+                self._slots.release()
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+    def _events(self, client: httpx.Client, body: dict[str, Any], cancel: threading.Event) -> Iterator[TokenEvent]:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code >= 400:
+                response.read()
+                try:
+                    message = response.json().get("error", {}).get("message") or response.text
+                except ValueError:
+                    message = response.text
+                if response.status_code == 400:
+                    raise InvalidRequest(f"the remote engine refused the request: {message}")
+                raise RuntimeError(f"the remote engine answered {response.status_code}: {message}")
+            finish = "stop"
+            for line in response.iter_lines():
+                if cancel.is_set():
+                    yield TokenEvent(-1, b"", finish_reason="cancelled")
+                    return  # leaving the block closes the connection: the engine stops
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"the remote engine failed: {chunk['error']}")
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                choice = choices[0]
+                text = choice.get("text") or ""
+                if text:
+                    logprob, tops = _logprobs(choice.get("logprobs"))
+                    yield TokenEvent(0, text.encode("utf-8"), logprob=logprob, top_logprobs=tops)
+                if choice.get("finish_reason"):
+                    finish = "length" if choice["finish_reason"] == "length" else "stop"
+            yield TokenEvent(-1, b"", finish_reason=finish)
+
+    def stats(self) -> dict[str, Any]:
+        return {"slots": self.max_parallel, "queue_depth": max(0, self._waiting - self.max_parallel)}
+
+
+def _logprobs(data: Any) -> tuple[float | None, list[TopLogprob] | None]:
+    """The last token's logprob and alternatives from a legacy completions logprobs object."""
+    if not isinstance(data, dict) or not data.get("token_logprobs"):
+        return None, None
+    logprob = data["token_logprobs"][-1]
+    tops = (data.get("top_logprobs") or [None])[-1] or {}
+    alternatives = [TopLogprob(0, token.encode("utf-8"), float(value)) for token, value in tops.items()]
+    return (float(logprob) if logprob is not None else None), alternatives

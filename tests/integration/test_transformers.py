@@ -1,0 +1,275 @@
+"""The transformers backend: the real default model as an HF folder, tiny random models for everything else
+(samplers, constraints, 4/8-bit, LoRA stacking, vision, safety), and the same pipeline as llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import threading
+from pathlib import Path
+
+import jsonschema
+import pytest
+from PIL import Image
+
+from modules import extensions, models, shared
+from modules.chat.prompt import render_messages
+from modules.errors import InvalidRequest, ModelLoadError, QueueFull
+from modules.generation.params import GenerationParams
+from modules.generation.pipeline import generate_reply, generate_text, prepare
+from modules.settings import load_settings
+from tests.conftest import hf_default_model
+
+CAPITAL = [
+    {"role": "system", "content": "You are a helpful AI assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+@pytest.fixture
+def tiny(hub: object, tiny_models: Path, user_data: Path) -> Path:
+    """The hub pointed at the tiny models and their LoRA folder."""
+    loaded = load_settings(
+        ["--user-data-dir", str(user_data), "--model-dir", str(tiny_models), "--lora-dir", str(tiny_models / "loras")],
+        env={},
+    )
+    shared.init(loaded)
+    return tiny_models
+
+
+def test_real_model_as_hf_folder_answers(hub: object, models_dir: Path) -> None:
+    (models_dir / "SmolLM2-135M-Instruct").symlink_to(hf_default_model())
+    backend = models.load_model("SmolLM2-135M-Instruct")
+    assert backend.loader_name == "transformers" and shared.model_options["loader"] == "transformers"
+    text, stats = generate_text(render_messages(backend, CAPITAL), GenerationParams(temperature=0, max_new_tokens=20))
+    assert "Paris" in text and stats.finish_reason == "stop"
+
+
+def test_streams_seeds_samplers_and_cancel(tiny: Path) -> None:
+    backend = models.load_model("tiny-llama")
+    prompt = "Once upon a time"
+    params = GenerationParams(temperature=1.0, max_new_tokens=12, seed=5, ban_eos=True)
+    first, stats = generate_text(prompt, params)
+    assert stats.new_tokens == 12 and generate_text(prompt, params)[0] == first
+    assert generate_text(prompt, params.replace(seed=6))[0] != first
+    everything = params.replace(
+        top_k=50, top_p=0.95, min_p=0.01, typical_p=0.99, top_a=0.01, tfs=0.99, epsilon_cutoff=1, eta_cutoff=1,
+        repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1, no_repeat_ngram_size=3,
+        dry_multiplier=0.5, xtc_probability=0.2, dynatemp_range=0.3, temperature_last=True, logit_bias={5: -100},
+    )  # fmt: skip
+    _text, stats = generate_text(prompt, everything)
+    assert stats.new_tokens == 12
+    for mode in (1, 2):
+        assert generate_text(prompt, params.replace(mirostat_mode=mode))[1].new_tokens == 12
+    cancel = threading.Event()
+    for seen, delta in enumerate(
+        generate_reply(prompt, GenerationParams(max_new_tokens=500, ban_eos=True), cancel=cancel), 1
+    ):
+        if seen == 3:
+            cancel.set()
+        if delta.stats:
+            assert delta.stats.finish_reason == "cancelled" and delta.stats.new_tokens < 10
+    assert backend.stats()["busy_slots"] == 0
+
+
+def test_logprobs_and_min_tokens(tiny: Path) -> None:
+    models.load_model("tiny-llama")
+    deltas = list(
+        generate_reply(
+            "Hello",
+            GenerationParams(temperature=0.8, seed=2, max_new_tokens=5, ban_eos=True, logprobs=True, top_logprobs=3),
+        )
+    )
+    tokens = [t for d in deltas for t in d.tokens]
+    assert len(tokens) == 5
+    for token in tokens:
+        assert token.logprob is not None and token.logprob <= 0 and len(token.top_logprobs or []) == 3
+    _, stats = generate_text("Hello", GenerationParams(temperature=0, max_new_tokens=40, min_tokens=30, logit_bias={}))
+    assert stats.new_tokens >= 30
+
+
+def test_json_schema_regex_and_grammar_constrain_the_output(tiny: Path) -> None:
+    models.load_model("tiny-llama")
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    text, stats = generate_text(
+        "Person:", GenerationParams(temperature=0.7, seed=1, max_new_tokens=120, json_schema=schema)
+    )
+    assert stats.finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    digits, _ = generate_text(
+        "Code:", GenerationParams(temperature=1.0, seed=3, max_new_tokens=20, regex=r"[0-9]{4}-[a-z]{3}")
+    )
+    assert len(digits) == 8 and digits[:4].isdigit() and digits[4] == "-"
+    answer, _ = generate_text(
+        "Yes or no?", GenerationParams(temperature=1.0, seed=3, max_new_tokens=10, grammar='root ::= "yes" | "no"')
+    )
+    assert answer in ("yes", "no")
+    with pytest.raises(InvalidRequest):
+        list(generate_reply("x", GenerationParams(grammar="root ::= (")))
+
+
+def test_queue_full(tiny: Path) -> None:
+    backend = models.load_model("tiny-llama", {"max_queue": 0})
+    ids = backend.encode("Hello")
+    running = backend.generate(ids, GenerationParams(max_new_tokens=200, ban_eos=True), cancel := threading.Event())
+    next(running)
+    with pytest.raises(QueueFull):
+        backend.generate(ids, GenerationParams(max_new_tokens=2), threading.Event())
+    cancel.set()
+    list(running)
+
+
+@pytest.mark.parametrize("flag", ["load_in_4bit", "load_in_8bit"])
+def test_bitsandbytes_on_the_cpu(tiny: Path, flag: str) -> None:
+    options = {flag: True, "compute_dtype": "float32", "quant_type": "nf4", "use_double_quant": True}
+    backend = models.load_model("tiny-llama", options)
+    assert backend.metadata.extra["quantized"] == ("4-bit" if flag == "load_in_4bit" else "8-bit")
+    linear = type(backend.model.model.layers[0].self_attn.q_proj).__name__
+    assert linear in ("Linear4bit", "Linear8bitLt")
+    text, stats = generate_text("Hello", GenerationParams(temperature=0, max_new_tokens=6, ban_eos=True))
+    assert stats.new_tokens == 6 and text
+
+
+def test_lora_load_stack_unload(tiny: Path) -> None:
+    models.load_model("tiny-llama")
+    params = GenerationParams(temperature=0, max_new_tokens=8, ban_eos=True)
+    base = generate_text("Hello", params)[0]
+    models.apply_loras(["lora-a"])
+    one = generate_text("Hello", params)[0]
+    models.apply_loras(["lora-a", "lora-b"])
+    two = generate_text("Hello", params)[0]
+    models.apply_loras(["lora-a"], [0.0])  # scaled to nothing: the base model's output
+    zero = generate_text("Hello", params)[0]
+    models.apply_loras([])
+    assert generate_text("Hello", params)[0] == base
+    assert one != base and two != one and zero == base
+    assert shared.loras == []
+    with pytest.raises(Exception, match="not in"):
+        models.apply_loras(["missing-lora"])
+
+
+def test_vision_model_sees_the_image(tiny: Path) -> None:
+    backend = models.load_model("tiny-llava")
+    assert backend.supports_vision
+    prompt = render_messages(
+        backend, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    )
+    red, blue = Image.new("RGB", (40, 40), "red"), Image.new("RGB", (40, 40), (0, 0, 255))
+    prepared = prepare(prompt, GenerationParams(), backend, images=[red])
+    image_token = backend.model.config.image_token_index
+    assert prepared.prompt_ids.count(image_token) > 1 and "pixel_values" in prepared.extra["model_inputs"]
+    params = GenerationParams(temperature=0, max_new_tokens=3, logprobs=True, top_logprobs=3)
+
+    def first_token(image: Image.Image) -> list[float]:
+        deltas = list(generate_reply(prompt, params, images=[image]))
+        return [t.logprob for d in deltas for t in d.tokens[:1] for t in (t.top_logprobs or [])]
+
+    assert first_token(red) != first_token(blue)
+    llama = models.load_model("tiny-llama")
+    assert not llama.supports_vision
+    with pytest.raises(InvalidRequest, match="cannot see images"):
+        prepare(prompt, GenerationParams(), llama, images=[red])
+
+
+def test_extension_logits_processors_apply(tiny: Path, user_data: Path) -> None:
+    banned = 1000
+    folder = user_data / "extensions" / "ban"
+    folder.mkdir(parents=True)
+    (folder / "script.py").write_text(
+        "def logits_processor_modifier(processor_list, input_ids):\n"
+        "    def ban(input_ids, scores):\n"
+        f"        scores[:, {banned}] = float('-inf')\n"
+        "        return scores\n"
+        "    processor_list.append(ban)\n"
+    )
+    backend = models.load_model("tiny-llama")
+    ids = backend.encode("Hello")
+    forced = GenerationParams(temperature=0, max_new_tokens=3, logit_bias={banned: 50})
+    assert next(e.token_id for e in backend.generate(ids, forced, threading.Event()) if e.token_id >= 0) == banned
+    extensions.load_extensions(["ban"])
+    assert banned not in [e.token_id for e in backend.generate(ids, forced, threading.Event()) if e.token_id >= 0]
+
+
+def test_bin_weights_load_safely_and_remote_code_is_off(tiny: Path) -> None:
+    assert models.load_model("tiny-llama-bin").loader_name == "transformers"  # torch.load with weights_only
+    evil = tiny / "evil-bin"
+    shutil.copytree(tiny / "tiny-llama-bin", evil, dirs_exist_ok=True)
+
+    class Exploit:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (print, ("this must never run",))
+
+    with open(evil / "pytorch_model.bin", "wb") as handle:
+        pickle.dump(Exploit(), handle)
+    with pytest.raises(ModelLoadError):
+        models.load_model("evil-bin")
+    remote = tiny / "needs-remote-code"
+    shutil.copytree(tiny / "tiny-llama", remote, dirs_exist_ok=True)
+    config = json.loads((remote / "config.json").read_text())
+    config["model_type"] = "textgen-custom-architecture"  # only the shipped code knows it
+    config["auto_map"] = {
+        "AutoModelForCausalLM": "modeling_custom.CustomModel",
+        "AutoConfig": "modeling_custom.CustomConfig",
+    }
+    (remote / "config.json").write_text(json.dumps(config))
+    (remote / "modeling_custom.py").write_text("raise SystemExit('remote code ran')\n")
+    with pytest.raises(
+        ModelLoadError, match=r"trust_remote_code|remote code|does not recognize|not recognized|Unrecognized"
+    ):
+        models.load_model("needs-remote-code")  # the shipped code would exit the process: it never ran
+    assert shared.model is None
+
+
+def test_images_through_the_api(tiny: Path) -> None:
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from server import create_app
+
+    extensions.load_extensions(["openai"])
+    models.load_model("tiny-llava")
+    client = TestClient(create_app())
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 40), "green").save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}],
+            }
+        ],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] > 10  # the image became several tokens
+    bad = {
+        **body,
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]}
+        ],
+    }
+    assert client.post("/v1/chat/completions", json=bad).status_code == 400
+    models.load_model("tiny-llama")
+    refused = client.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 400 and "cannot see images" in refused.json()["error"]["message"]
+
+
+@pytest.mark.gpu
+def test_bitsandbytes_and_offload_on_a_gpu(tiny: Path) -> None:
+    backend = models.load_model("tiny-llama", {"load_in_4bit": True, "compute_dtype": "float16"})
+    assert str(backend.metadata.extra["device"]).startswith("cuda")
+    assert generate_text("Hello", GenerationParams(temperature=0, max_new_tokens=5, ban_eos=True))[1].new_tokens == 5
+    offloaded = models.load_model("tiny-llama", {"gpu_memory": ["1MiB"], "cpu_memory": "4GiB"})
+    devices = {str(p.device) for p in offloaded.model.parameters()}
+    assert "cpu" in devices  # the 1 MiB GPU budget pushed layers to the CPU
+    assert generate_text("Hello", GenerationParams(temperature=0, max_new_tokens=5, ban_eos=True))[1].new_tokens == 5
