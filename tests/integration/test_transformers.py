@@ -218,9 +218,7 @@ def test_bin_weights_load_safely_and_remote_code_is_off(tiny: Path) -> None:
     }
     (remote / "config.json").write_text(json.dumps(config))
     (remote / "modeling_custom.py").write_text("raise SystemExit('remote code ran')\n")
-    with pytest.raises(
-        ModelLoadError, match=r"trust_remote_code|remote code|does not recognize|not recognized|Unrecognized"
-    ):
+    with pytest.raises(ModelLoadError, match="--trust-remote-code"):
         models.load_model("needs-remote-code")  # the shipped code would exit the process: it never ran
     assert shared.model is None
 
