@@ -12,7 +12,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
@@ -183,9 +182,7 @@ async def create(body: dict[str, Any], request: Request) -> Any:
         started = time.perf_counter()
         req.log_unknown_fields("messages")
         chat_req = to_chat(req)
-        backend = await core.serving_backend(request, req.model)
-        job = await anyio.to_thread.run_sync(core.prepare_chat, chat_req, backend)
-        running = await core.start([job.prompt], [job.params], backend, chat=True, images=job.images)
+        job, running = await core.start_chat(chat_req, request, req.model)
     except (APIError, Exception) as exc:
         return anthropic_error(exc)
     message_id = "msg_" + uuid.uuid4().hex

@@ -70,11 +70,7 @@ class _Choice:
 async def create(req: ChatCompletionRequest, request: Request) -> Any:
     """Handle a chat completion request."""
     started = time.perf_counter()
-    backend = await core.serving_backend(request, req.model)
-    job = await core.anyio.to_thread.run_sync(core.prepare_chat, req, backend)
-    running = await core.start(
-        [job.prompt] * job.n, core.seeded(job.params, job.n), backend, chat=True, images=job.images
-    )
+    job, running = await core.start_chat(req, request, req.model)
     meta = {
         "id": "chatcmpl-" + uuid.uuid4().hex,
         "created": int(time.time()),

@@ -374,6 +374,14 @@ async def start(
     return running
 
 
+async def start_chat(req: ChatCompletionRequest, request: Request, model: str | None) -> tuple[ChatJob, Running]:
+    """Pick the backend, build the chat job and start its ``n`` generations (errors before any response)."""
+    backend = await serving_backend(request, model)
+    job = await anyio.to_thread.run_sync(prepare_chat, req, backend)
+    running = await start([job.prompt] * job.n, seeded(job.params, job.n), backend, chat=True, images=job.images)
+    return job, running
+
+
 def seeded(params: GenerationParams, n: int) -> list[GenerationParams]:
     """One parameter set per choice: choice i uses seed + i, so a seeded request reproduces all choices."""
     if n == 1:

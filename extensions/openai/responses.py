@@ -11,7 +11,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
@@ -192,9 +191,7 @@ async def create(req: ResponsesRequest, request: Request) -> Any:
     started = time.perf_counter()
     req.log_unknown_fields("responses")
     chat_req = to_chat(req)
-    backend = await core.serving_backend(request, req.model)
-    job = await anyio.to_thread.run_sync(core.prepare_chat, chat_req, backend)
-    running = await core.start([job.prompt], [job.params], backend, chat=True, images=job.images)
+    job, running = await core.start_chat(chat_req, request, req.model)
     base = {
         "id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()), "model": job.served_name,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,

@@ -15,7 +15,7 @@ from modules import extensions, shared
 from modules.errors import ContextOverflow, InvalidRequest, ModelNotLoaded
 from modules.generation.params import GenerationParams
 from modules.generation.stopping import StopMatcher, Utf8Stream
-from modules.loaders.base import Backend, TokenEvent, TokenSink, deliver
+from modules.loaders.base import Backend, TokenEvent, TokenSink, pump
 
 log = logging.getLogger(__name__)
 
@@ -202,16 +202,7 @@ def launch_to(prepared: Prepared, backend: Backend, cancel: threading.Event, sin
     if prepared.custom is None:
         backend.submit(prepared.prompt_ids, prepared.params, cancel, sink, prepared.extra)
         return
-    events = custom_events(prepared.custom, cancel)
-
-    def pump() -> None:
-        try:
-            for event in events:
-                deliver([(sink, event)])
-        except BaseException as exc:
-            deliver([(sink, exc)])
-
-    threading.Thread(target=pump, name="custom-reply", daemon=True).start()
+    pump(custom_events(prepared.custom, cancel), sink, "custom-reply")
 
 
 class DeltaBuilder:

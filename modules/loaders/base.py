@@ -63,6 +63,19 @@ def deliver(batch: list[tuple[TokenSink, TokenEvent | BaseException]]) -> None:
             loop.call_soon_threadsafe(_dispatch, items)
 
 
+def pump(events: Iterator[TokenEvent], sink: TokenSink, name: str) -> None:
+    """Hand a token stream to ``sink`` from a thread of its own (for backends without a scheduler)."""
+
+    def run() -> None:
+        try:
+            for event in events:
+                deliver([(sink, event)])
+        except BaseException as exc:  # the consumer sees the failure as an error item
+            deliver([(sink, exc)])
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+
+
 def _dispatch(items: list[tuple[TokenSink, TokenEvent | BaseException]]) -> None:
     for sink, event in items:
         sink.queue.put_nowait((sink.tag, event))
@@ -162,16 +175,7 @@ class Backend(ABC):
         Raises like :meth:`generate` before anything runs. This default runs :meth:`generate` in a thread;
         backends with a scheduler deliver from it directly.
         """
-        events = self.generate(prompt_ids, params, cancel, extra)
-
-        def pump() -> None:
-            try:
-                for event in events:
-                    deliver([(sink, event)])
-            except BaseException as exc:
-                deliver([(sink, exc)])
-
-        threading.Thread(target=pump, name=f"{self.loader_name}-stream", daemon=True).start()
+        pump(self.generate(prompt_ids, params, cancel, extra), sink, f"{self.loader_name}-stream")
 
     def embed(self, texts: list[str]) -> list[list[float]]:
         """One embedding vector per text."""

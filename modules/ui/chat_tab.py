@@ -4,6 +4,7 @@ remove, edit, send as the assistant). Histories and characters are in ui/chat_si
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,16 @@ class ChatUI:
     context: Any
     show_all: Any
     settings: list[Any]  # mode, character, user name, persona, system, template, command
+
+
+def update_interval() -> float:
+    """Seconds between two streamed updates of the page (``max_updates_second`` in settings.yaml; 0: every token).
+
+    Rendering a chat costs the browser and Gradio more than generating a token; sending every token made the
+    text appear slower than the model wrote it.
+    """
+    rate = float(shared.ui_defaults.get("max_updates_second", 20) or 0)
+    return 1.0 / rate if rate > 0 else 0.0
 
 
 def user_of(request: gr.Request | None) -> tuple[str, bool]:
@@ -247,6 +258,7 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
     ) -> Iterator[tuple[Any, ...]]:
         messages = list(state.get("conv", {}).get("messages", []))
         before = len(messages)
+        shown_at = 0.0
         try:
             for update in updates:
                 messages = update.history
@@ -254,6 +266,9 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
                     if len(messages) > before and messages[-1]["role"] == "user":
                         before = len(messages)
                         state = persist(state, messages, request)  # the user's message is saved before the reply
+                    elif time.monotonic() - shown_at < update_interval():
+                        continue  # tokens keep coming; the page gets them with the next update
+                    shown_at = time.monotonic()
                     yield display(messages, state.get("show_all", False)), state, "Generating...", gr.skip()
                 else:
                     state = persist(state, messages, request)
@@ -290,27 +305,19 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
         updates = engine.send(messages, text, gen, options=options, images=images, key=request.session_hash)
         yield from run(updates, state, options, gen.max_new_tokens, request)
 
-    def on_regenerate(request: gr.Request, state: dict[str, Any], *values: Any) -> Iterator[tuple[Any, ...]]:
-        _, options, gen = split(values)
-        messages = list(state.get("conv", {}).get("messages", []))
-        yield from run(
-            engine.regenerate(messages, gen, options=options, key=request.session_hash),
-            state,
-            options,
-            gen.max_new_tokens,
-            request,
-        )
+    def on_history_action(action: Any) -> Any:
+        """A handler running ``action`` (regenerate, continue) on the chat's history."""
 
-    def on_continue(request: gr.Request, state: dict[str, Any], *values: Any) -> Iterator[tuple[Any, ...]]:
-        _, options, gen = split(values)
-        messages = list(state.get("conv", {}).get("messages", []))
-        yield from run(
-            engine.continue_reply(messages, gen, options=options, key=request.session_hash),
-            state,
-            options,
-            gen.max_new_tokens,
-            request,
-        )
+        def handler(request: gr.Request, state: dict[str, Any], *values: Any) -> Iterator[tuple[Any, ...]]:
+            _, options, gen = split(values)
+            messages = list(state.get("conv", {}).get("messages", []))
+            updates = action(messages, gen, options=options, key=request.session_hash)
+            yield from run(updates, state, options, gen.max_new_tokens, request)
+
+        return handler
+
+    on_regenerate = on_history_action(engine.regenerate)
+    on_continue = on_history_action(engine.continue_reply)
 
     def on_impersonate(request: gr.Request, state: dict[str, Any], *values: Any) -> Iterator[str]:
         _, options, gen = split(values)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ import gradio as gr
 from modules import shared
 from modules.errors import TextgenError
 from modules.generation.pipeline import count_tokens, stream_text
+from modules.ui.chat_tab import update_interval
 from modules.ui.parameters_tab import ParamsUI
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,11 @@ def wire(ui: NotebookUI, params: ParamsUI, key_suffix: str) -> None:
     def generate(request: gr.Request, prompt: str, *values: Any) -> Iterator[tuple[Any, ...]]:
         try:
             gen = params.to_params(*values)
+            shown_at = 0.0
             for text, stats in stream_text(prompt, gen, key=request.session_hash + key_suffix):
+                if stats is None and time.monotonic() - shown_at < update_interval():
+                    continue
+                shown_at = time.monotonic()
                 shown = prompt + text if appends else text
                 yield shown, stats.summary() if stats else "Generating...", _tokens_text(shown if appends else prompt)
         except TextgenError as exc:
