@@ -213,6 +213,8 @@ class ChatJob:
 def prepare_chat(req: ChatCompletionRequest, backend: Backend) -> ChatJob:
     """Build the prompt and parameters of a chat completion request (400s for anything wrong)."""
     req.log_unknown_fields("chat.completions")
+    if req.user:
+        log.info("chat completion for user %r", req.user[:64])
     tools_raw = [t.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice
     if req.functions and not tools_raw:

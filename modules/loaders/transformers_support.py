@@ -157,7 +157,7 @@ class GrammarFactory:
         """A matcher for the request's constraint, or None; an invalid one is an InvalidRequest."""
         try:
             if params.json_schema is not None:
-                compiled = self.compiler.compile_json_schema(json.dumps(params.json_schema))
+                compiled = self.compiler.compile_json_schema(json.dumps(params.json_schema), any_whitespace=False)
             elif params.grammar:
                 compiled = self.compiler.compile_grammar(params.grammar)
             elif params.regex:

@@ -69,6 +69,19 @@ def test_edit_a_message(page, shared_server) -> None:
     assert any("EDITED REPLY 7731" in m for m in bot_messages(page))
 
 
+def test_markdown_code_and_latex_render(page, shared_server) -> None:
+    open_ui(page, shared_server.url)
+    new_chat(page)
+    page.fill("#chat-input textarea", "Here:\n\n```python\nprint('hi')\n```\n\nand $E = mc^2$")
+    page.click("#send-as-assistant")
+    code = page.locator("#chatbot [data-testid='bot'] pre code").last
+    code.wait_for()
+    assert "print('hi')" in code.inner_text()
+    assert page.locator("#chatbot [data-testid='bot'] .code_wrap .copy_code_button").count() >= 1  # copy button
+    assert page.locator("#chatbot [data-testid='bot'] pre code .token.keyword").count() >= 1  # highlighted
+    assert page.locator("#chatbot [data-testid='bot'] .katex").count() >= 1  # LaTeX
+
+
 def test_history_survives_a_reload(page, shared_server) -> None:
     open_ui(page, shared_server.url)
     new_chat(page)

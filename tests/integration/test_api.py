@@ -362,3 +362,35 @@ def test_unprefixed_paths_and_chat_modes(shared_server) -> None:
     assert response.status_code == 200, response.text
     prompt = httpx.post(shared_server.url + "/v1/internal/chat-prompt", json=chat, timeout=60).json()["prompt"]
     assert prompt.endswith("You: Hello!\nAI:") and "conversation with an AI" in prompt
+
+
+def test_langchain_openai_classes_work_unmodified(shared_server) -> None:
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI, OpenAI, OpenAIEmbeddings
+
+    chat = ChatOpenAI(
+        base_url=shared_server.url + "/v1", api_key="unused", model="gpt-4o-mini", temperature=0, max_tokens=30
+    )
+    messages = [SystemMessage(content=SYSTEM["content"]), HumanMessage(content="What is the capital of France?")]
+    assert "Paris" in chat.invoke(messages).content
+    assert "Paris" in "".join(chunk.content for chunk in chat.stream(messages))
+    structured = chat.with_structured_output(
+        {"title": "City", "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        method="json_schema",
+    ).invoke(messages)
+    assert isinstance(structured, dict) and isinstance(structured.get("city"), str)
+    legacy = OpenAI(
+        base_url=shared_server.url + "/v1",
+        api_key="unused",
+        model="gpt-3.5-turbo-instruct",
+        temperature=0,
+        max_tokens=8,
+    )
+    assert "Paris" in legacy.invoke("The capital of France is")
+    embeddings = OpenAIEmbeddings(
+        base_url=shared_server.url + "/v1",
+        api_key="unused",
+        model="text-embedding-3-small",
+        check_embedding_ctx_length=False,
+    )
+    assert len(embeddings.embed_query("hello")) == 384

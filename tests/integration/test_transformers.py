@@ -271,3 +271,47 @@ def test_bitsandbytes_and_offload_on_a_gpu(tiny: Path) -> None:
     devices = {str(p.device) for p in offloaded.model.parameters()}
     assert "cpu" in devices  # the 1 MiB GPU budget pushed layers to the CPU
     assert generate_text("Hello", GenerationParams(temperature=0, max_new_tokens=5, ban_eos=True))[1].new_tokens == 5
+
+
+def test_tools_and_json_through_the_api_on_transformers(tiny: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from server import create_app
+
+    extensions.load_extensions(["openai"])
+    models.load_model("tiny-llama")
+    client = TestClient(create_app())
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"],
+            },
+        },
+    }
+    body = {
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "seed": 1,
+    }
+    reply = client.post("/v1/chat/completions", json=body).json()
+    call = reply["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    body = {
+        "messages": [{"role": "user", "content": "JSON!"}],
+        "max_tokens": 40,
+        "seed": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    content = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(content), schema)
+    regex = client.post(
+        "/v1/completions", json={"prompt": "Code:", "max_tokens": 10, "regex": "[0-9]{3}", "seed": 3}
+    ).json()
+    assert regex["choices"][0]["text"].isdigit() and len(regex["choices"][0]["text"]) == 3
