@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings = loaded.settings
     setup_logging(settings.verbose)
-    sys.setswitchinterval(float(os.environ.get("TEXTGEN_SWITCH_INTERVAL", "0.005")))
     shared.init(loaded)
     extensions.load_extensions(settings.extensions)
     try:
