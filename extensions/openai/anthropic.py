@@ -165,7 +165,7 @@ def _stop_reason(stats: Any, calls: bool) -> tuple[str, str | None]:
         return "tool_use", None
     if stats is not None and stats.stop_string:
         return "stop_sequence", stats.stop_string
-    if stats is not None and stats.finish_reason == "length":
+    if stats is not None and stats.finish_reason in ("length", "context"):
         return "max_tokens", None
     return "end_turn", None
 

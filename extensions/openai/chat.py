@@ -116,7 +116,7 @@ async def create(req: ChatCompletionRequest, request: Request) -> Any:
                         "refusal": None,
                     },
                     "logprobs": {"content": c.logprobs, "refusal": None} if job.params.logprobs else None,
-                    "finish_reason": core.finish_reason(c.stats, bool(c.calls)),
+                    "finish_reason": core.finish_reason(c.stats, bool(c.calls) and job.plan.mode != "named"),
                 }
                 for i, c in enumerate(choices)
             ],
@@ -161,7 +161,9 @@ async def _stream(
                     yield chunk(item.index, {"tool_calls": [piece]})
                 choice.calls.append(call)
             if item.delta.stats is not None:
-                yield chunk(item.index, {}, core.finish_reason(choice.stats, bool(choice.calls)))
+                yield chunk(
+                    item.index, {}, core.finish_reason(choice.stats, bool(choice.calls) and job.plan.mode != "named")
+                )
         stats = [c.stats for c in choices if c.stats is not None]
         core.record("chat.completions", stats, started)
         if include_usage:

@@ -80,6 +80,7 @@ async def create(req: CompletionRequest, request: Request) -> Any:
     """Handle a legacy completion request."""
     started = time.perf_counter()
     req.log_unknown_fields("completions")
+    req.refuse_chat_fields()
     backend = await core.serving_backend(request, req.model)
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed with stream: true", param="stream_options")
@@ -93,7 +94,7 @@ async def create(req: CompletionRequest, request: Request) -> Any:
     if want_logprobs and not backend.supports_logprobs:
         raise InvalidRequest(f"the {backend.loader_name} backend cannot return logprobs", param="logprobs")
     generate = req.max_tokens != 0
-    params = core.generation_params(req, max_tokens=req.max_tokens or 1, default_max=16)
+    params = core.generation_params(req, max_tokens=req.max_tokens if generate else 1, default_max=16)
     params = params.replace(logprobs=want_logprobs, top_logprobs=top)
     prompts = _prompts(req)
     if req.suffix:
@@ -123,10 +124,11 @@ async def create(req: CompletionRequest, request: Request) -> Any:
         all_params += core.seeded(params, best_of)
         all_prompts += [prompt_ids] * best_of
     running = await core.start(all_prompts, all_params, backend)
+    prompt_tokens = sum(len(i) for i in ids)  # each distinct prompt once, however many choices it has
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(req, running, meta, echo_text, echo_logprobs, best_of, top, include_usage, started),
+            _stream(req, running, meta, echo_text, echo_logprobs, best_of, top, include_usage, started, prompt_tokens),
             media_type="text/event-stream",
         )
     texts = [""] * len(all_prompts)
@@ -161,9 +163,9 @@ async def create(req: CompletionRequest, request: Request) -> Any:
                 }
             )
     done = [s for s in stats if s is not None]
-    core.record("completions", done, started)
+    core.record("completions", done, started, prompt_tokens)
     usage = {
-        "prompt_tokens": sum(len(i) for i in ids),
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": sum(s.new_tokens for s in done),
     }
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -229,6 +231,7 @@ async def _stream(
     top: int,
     include_usage: bool,
     started: float,
+    prompt_tokens: int,
 ) -> AsyncIterator[str]:
     extra = {"usage": None} if include_usage else {}
 
@@ -262,9 +265,8 @@ async def _stream(
             if item.delta.stats is not None:
                 stats.append(item.delta.stats)
                 yield chunk(item.index, "", None, core.finish_reason(item.delta.stats))
-        core.record("completions", stats, started)
+        core.record("completions", stats, started, prompt_tokens)
         if include_usage:
-            prompt_tokens = stats[0].prompt_tokens if stats else 0
             completion = sum(s.new_tokens for s in stats)
             usage = {
                 "prompt_tokens": prompt_tokens,

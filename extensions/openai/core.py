@@ -392,6 +392,9 @@ def seeded(params: GenerationParams, n: int) -> list[GenerationParams]:
     return [params.replace(seed=(base + i) % (2**31)) for i in range(n)]
 
 
+DISCONNECT_CHECK_S = 0.25  # how often a non-streaming request looks for its client
+
+
 async def merge(running: Running, request: Request | None = None) -> AsyncIterator[Item]:
     """Yield the deltas of every running generation as they come, interleaved.
 
@@ -399,17 +402,22 @@ async def merge(running: Running, request: Request | None = None) -> AsyncIterat
     away, cancels them all within one step.
     """
     remaining = len(running.builders)
+    checked = time.monotonic()
     try:
         while remaining:
             if request is None:
                 tag, event = await running.queue.get()
             else:
                 try:
-                    tag, event = await asyncio.wait_for(running.queue.get(), timeout=0.25)
+                    tag, event = await asyncio.wait_for(running.queue.get(), timeout=DISCONNECT_CHECK_S)
                 except TimeoutError:
+                    tag, event = -1, None
+                if time.monotonic() - checked >= DISCONNECT_CHECK_S:  # checked while tokens flow, too
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         log.info("client disconnected; generation cancelled")
-                        running.cancel()
+                        return
+                if tag < 0:
                     continue
             builder = running.builders[tag]
             if builder.done:
@@ -435,9 +443,9 @@ def usage(stats: list[GenerationStats]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def record(endpoint: str, stats: list[GenerationStats], started: float) -> None:
-    """Count a finished request in the metrics."""
-    METRICS.observe_generation(endpoint, stats, time.perf_counter() - started)
+def record(endpoint: str, stats: list[GenerationStats], started: float, prompt_tokens: int | None = None) -> None:
+    """Count a finished request in the metrics (``prompt_tokens``: when its choices read several prompts)."""
+    METRICS.observe_generation(endpoint, stats, time.perf_counter() - started, prompt_tokens)
 
 
 def finish_reason(stats: GenerationStats | None, calls: bool = False) -> str:

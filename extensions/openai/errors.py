@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from modules.errors import (
     BackendUnavailable,
     ContextOverflow,
+    ExtensionFailed,
     InvalidRequest,
     ModelLoadError,
     ModelNotFound,
@@ -74,6 +75,8 @@ def from_exception(exc: BaseException) -> APIError:
         )
     if isinstance(exc, (ModelLoadError, BackendUnavailable)):
         return APIError(400, str(exc), code="model_load_failed")
+    if isinstance(exc, ExtensionFailed):  # the server's failure, not the client's
+        return APIError(500, str(exc), type_="server_error", code="extension_failed")
     if isinstance(exc, TextgenError):
         return APIError(400, str(exc))
     log.error("unexpected API error", exc_info=exc)

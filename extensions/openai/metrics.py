@@ -31,10 +31,14 @@ class Metrics:
         with self._lock:
             self.requests[(endpoint, status)] += 1
 
-    def observe_generation(self, endpoint: str, stats: list[GenerationStats], seconds: float) -> None:
-        """Count the tokens and timings of a finished generation request."""
+    def observe_generation(
+        self, endpoint: str, stats: list[GenerationStats], seconds: float, prompt_tokens: int | None = None
+    ) -> None:
+        """Count the tokens and timings of a finished generation request (the prompt once, unless given)."""
         with self._lock:
-            if stats:
+            if prompt_tokens is not None:
+                self.prompt_tokens += prompt_tokens
+            elif stats:
                 self.prompt_tokens += stats[0].prompt_tokens
             for s in stats:
                 self.completion_tokens += s.new_tokens

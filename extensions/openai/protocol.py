@@ -6,12 +6,14 @@ those fields are generated from the dataclass, so adding a sampler adds it here 
 
 from __future__ import annotations
 
+import json
 import logging
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from modules.errors import InvalidRequest
 from modules.generation.params import GenerationParams
 
 log = logging.getLogger(__name__)
@@ -49,8 +51,57 @@ def _sampler_fields() -> dict[str, Any]:
 SamplerExtras: type[_Base] = create_model("SamplerExtras", __base__=_Base, **_sampler_fields())  # type: ignore[call-overload]
 
 
+def _breakers(value: str) -> Any:
+    """DRY sequence breakers sent as one string: a JSON list, or text-generation-webui's ``"a", "b"`` form."""
+    text = value.strip()
+    for candidate in (text, f"[{text}]"):
+        try:
+            parsed = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(parsed, list):
+            return parsed
+    return [value]
+
+
+def _token_bans(value: Any) -> dict[str, float]:
+    """text-generation-webui's ``custom_token_bans`` ("1, 2" or a list of ids) as logit_bias entries."""
+    ids = value.split(",") if isinstance(value, str) else list(value or [])
+    try:
+        return {str(int(str(i).strip())): -100.0 for i in ids if str(i).strip()}
+    except ValueError as exc:
+        raise InvalidRequest(
+            "custom_token_bans must be token ids separated by commas", param="custom_token_bans"
+        ) from exc
+
+
+def webui_names(data: Any) -> Any:
+    """Map text-generation-webui's request names (which SillyTavern sends) onto ours."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for theirs, ours in WEBUI_ALIASES.items():
+        if theirs in data:
+            value = data.pop(theirs)
+            if data.get(ours) is None and value not in (None, ""):
+                data[ours] = value
+    if isinstance(data.get("dry_sequence_breakers"), str):
+        data["dry_sequence_breakers"] = _breakers(data["dry_sequence_breakers"])
+    if "custom_token_bans" in data:
+        bans = _token_bans(data.pop("custom_token_bans"))
+        if bans:
+            data["logit_bias"] = {**bans, **(data.get("logit_bias") or {})}
+    return data
+
+
+# text-generation-webui's names for fields we call otherwise (the value goes to ours unless ours is also set).
+WEBUI_ALIASES = {"ban_eos_token": "ban_eos", "grammar_string": "grammar", "stopping_strings": "stop"}
+
+
 class TextgenExtras(SamplerExtras):  # type: ignore[misc,valid-type]
-    """textgen's own request fields."""
+    """textgen's own request fields (text-generation-webui's names are accepted too, see ``webui_names``)."""
+
+    _webui = model_validator(mode="before")(webui_names)
 
     preset: str | None = Field(None, description="Start from this preset in user_data/presets.")
     mode: Literal["instruct", "chat", "chat-instruct"] | None = Field(None, description="Chat prompt mode.")
@@ -60,6 +111,18 @@ class TextgenExtras(SamplerExtras):  # type: ignore[misc,valid-type]
     user_bio: str | None = Field(None, description="The user persona in chat modes.")
     chat_instruct_command: str | None = Field(None, description="Command wrapping the chat in chat-instruct mode.")
     grammar: str | None = Field(None, description="GBNF grammar the output must follow.")
+
+    def refuse_chat_fields(self) -> None:
+        """Raise a 400 naming the first chat-only field set on a request that builds no chat prompt."""
+        for name in CHAT_ONLY:
+            if getattr(self, name, None) is not None:
+                raise InvalidRequest(
+                    f"{name} applies to chat requests only; this endpoint takes a raw prompt", param=name
+                )
+
+
+# TextgenExtras fields that shape a chat prompt; a raw completion refuses them.
+CHAT_ONLY = ("mode", "character", "instruction_template", "user_name", "user_bio", "chat_instruct_command")
 
 
 class StreamOptions(_Base):

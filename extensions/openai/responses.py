@@ -176,7 +176,9 @@ def _response(base: dict[str, Any], output: list[dict[str, Any]], stats: Any, st
             "input_tokens_details": {"cached_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0},
         }
-    incomplete = {"reason": "max_output_tokens"} if stats is not None and stats.finish_reason == "length" else None
+    incomplete = (
+        {"reason": "max_output_tokens"} if stats is not None and stats.finish_reason in ("length", "context") else None
+    )
     return {
         **base,
         "status": "incomplete" if incomplete else status,

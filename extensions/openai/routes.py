@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from extensions.openai import anthropic, chat, completions, embeddings, errors, internal, responses
 from extensions.openai.auth import require_admin, require_key
@@ -96,6 +98,38 @@ def metrics(request: Request) -> PlainTextResponse:
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
+class RequestMetrics:
+    """Count API requests by route and status, and add X-Process-Time.
+
+    Plain ASGI on purpose: Starlette's ``@app.middleware("http")`` wraps ``receive`` so that
+    ``request.is_disconnected()`` never turns true, and a non-streaming request would outlive its client.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message).setdefault("X-Process-Time", f"{time.perf_counter() - started:.4f}")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            route = scope.get("route")
+            path = str(getattr(route, "path", None) or scope["path"])
+            METRICS.observe_request(path.removeprefix("/v1"), status)
+
+
 def install(app: FastAPI) -> None:
     """Add every API route, the error handlers, request metrics and (if configured) CORS to ``app``."""
     errors.install(app)
@@ -104,18 +138,7 @@ def install(app: FastAPI) -> None:
         app.include_router(_messages_router(), prefix=prefix)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next: Any) -> Any:
-        path = request.url.path
-        if not path.startswith(API_PREFIXES):
-            return await call_next(request)
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", path).removeprefix("/v1")
-        METRICS.observe_request(endpoint, response.status_code)
-        response.headers.setdefault("X-Process-Time", f"{time.perf_counter() - started:.4f}")
-        return response
+    app.add_middleware(RequestMetrics)
 
     origins = shared.settings.api_cors_origins
     if origins:

@@ -104,6 +104,8 @@ def system_prompt(plan: ToolPlan) -> str:
     """Instructions for models whose template does not render tools."""
     listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in plan.functions())
     rule = "You must call one of these functions." if plan.forced else "Call a function only when it helps."
+    if not plan.parallel:
+        rule += " Make at most one call."
     return (
         "You can call functions. Their definitions, as JSON schema:\n"
         f"{listing}\n"
@@ -274,6 +276,8 @@ class ToolStream:
         if not self.holding:
             return text, []
         content, calls = parse_tool_calls(text, self.known)
+        if not self.plan.parallel:
+            calls = calls[:1]  # parallel_tool_calls: false allows one call per turn
         return content, calls
 
 

@@ -222,16 +222,17 @@ def test_named_tool_call_streams_as_deltas(client: openai.OpenAI) -> None:
             name += delta.function.name or ""
             arguments += delta.function.arguments or ""
         finish = choice.finish_reason or finish
-    assert name == "get_time" and finish == "tool_calls" and pieces >= 2
+    assert name == "get_time" and pieces >= 2
+    assert finish == "stop"  # as OpenAI: a function named in tool_choice ends with "stop", not "tool_calls"
     assert "zone" in json.loads(arguments)
 
 
-def test_tool_choice_none_and_a_tool_result_turn(client: openai.OpenAI) -> None:
+def test_tool_choice_none_and_a_tool_result_turn(client: openai.OpenAI, shared_server) -> None:
     none = client.chat.completions.create(
         model="m", messages=CAPITAL, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=20, temperature=0
     )
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
-    follow_up = client.chat.completions.create(
+    turn = dict(
         model="m",
         messages=[
             {"role": "user", "content": "What is the weather in Paris?"},
@@ -252,7 +253,10 @@ def test_tool_choice_none_and_a_tool_result_turn(client: openai.OpenAI) -> None:
         max_tokens=30,
         temperature=0,
     )
-    assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    prompt = httpx.post(shared_server.url + "/v1/internal/chat-prompt", json=turn, timeout=60).json()["prompt"]
+    assert "Sunny, 21 C" in prompt and "get_weather" in prompt  # the call and its result reach the model
+    follow_up = client.chat.completions.create(**turn)  # type: ignore[call-overload]
+    assert follow_up.choices[0].message.content or follow_up.choices[0].message.tool_calls
 
 
 def test_legacy_completions_echo_logprobs_and_best_of(client: openai.OpenAI) -> None:
@@ -275,6 +279,80 @@ def test_legacy_completions_echo_logprobs_and_best_of(client: openai.OpenAI) -> 
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="m", prompt="def f(", suffix="return 1", max_tokens=5)
     assert info.value.body["param"] == "suffix"
+    with pytest.raises(openai.BadRequestError) as info:  # chat-only fields mean nothing to a raw prompt
+        client.completions.create(model="m", prompt="Hi", max_tokens=5, extra_body={"character": "Assistant"})
+    assert info.value.body["param"] == "character"
+    default = client.completions.create(
+        model="m", prompt="Once upon a time", max_tokens=None, extra_body={"ban_eos": True}
+    )
+    assert default.usage.completion_tokens == 16  # null max_tokens means OpenAI's default, 16
+
+
+def test_sillytavern_text_completion_body(shared_server) -> None:
+    """The body SillyTavern sends in Text Completion mode for text-generation-webui: its names are honoured."""
+    url = shared_server.url + "/v1"
+    paris = httpx.post(url + "/internal/encode", json={"text": " Paris"}).json()["tokens"][0]
+    body = {
+        "prompt": "The capital of France is",
+        "model": "SmolLM2",
+        "max_new_tokens": 12,
+        "max_tokens": 12,
+        "temperature": 0,
+        "top_p": 1,
+        "typical_p": 1,
+        "min_p": 0,
+        "repetition_penalty": 1,
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "top_k": 0,
+        "min_length": 0,
+        "min_tokens": 0,
+        "num_beams": 1,
+        "length_penalty": 1,
+        "early_stopping": False,
+        "add_bos_token": True,
+        "smoothing_factor": 0,
+        "smoothing_curve": 1,
+        "dry_allowed_length": 2,
+        "dry_multiplier": 0,
+        "dry_base": 1.75,
+        "dry_sequence_breakers": '["\\n", ":", "\\"", "*"]',
+        "dry_penalty_last_n": 0,
+        "max_tokens_second": 0,
+        "sampler_priority": ["temperature", "top_k", "top_p"],
+        "stopping_strings": ["\nUser:"],
+        "stop": ["\nUser:"],
+        "truncation_length": 8192,
+        "ban_eos_token": True,
+        "skip_special_tokens": True,
+        "top_a": 0,
+        "tfs": 1,
+        "epsilon_cutoff": 0,
+        "eta_cutoff": 0,
+        "mirostat_mode": 0,
+        "mirostat_tau": 5,
+        "mirostat_eta": 0.1,
+        "custom_token_bans": str(paris),
+        "banned_strings": [],
+        "api_type": "ooba",
+        "api_server": url,
+        "xtc_threshold": 0.1,
+        "xtc_probability": 0,
+        "repetition_penalty_range": 0,
+        "no_repeat_ngram_size": 0,
+        "temperature_last": True,
+        "do_sample": True,
+        "seed": -1,
+        "grammar_string": "",
+        "stream": False,
+    }
+    reply = httpx.post(url + "/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    assert data["usage"]["completion_tokens"] == 12  # ban_eos_token: no early end
+    assert not data["choices"][0]["text"].startswith(" Paris")  # custom_token_bans: the greedy answer is banned
+    plain = httpx.post(url + "/completions", json={**body, "custom_token_bans": ""}, timeout=120).json()
+    assert plain["choices"][0]["text"].startswith(" Paris")
 
 
 def test_legacy_streaming_completion(client: openai.OpenAI) -> None:

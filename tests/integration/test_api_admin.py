@@ -118,16 +118,33 @@ def test_disconnect_stops_generation(shared_server) -> None:
         for n, _ in enumerate(response.iter_lines()):
             if n > 5:
                 break
-    deadline = time.monotonic() + 5
-    busy = None
+    busy = _wait_idle(shared_server, 5)
+    assert busy.endswith(" 0"), busy
+    assert "finish: cancelled" in shared_server.log()
+
+
+def _wait_idle(server, seconds: float) -> str:
+    deadline = time.monotonic() + seconds
+    busy = ""
     while time.monotonic() < deadline:
-        metrics = httpx.get(shared_server.url + "/metrics").text
+        metrics = httpx.get(server.url + "/metrics").text
         busy = next(line for line in metrics.splitlines() if line.startswith("textgen_busy_slots"))
         if busy.endswith(" 0"):
             break
         time.sleep(0.1)
-    assert busy is not None and busy.endswith(" 0"), busy
-    assert "finish: cancelled" in shared_server.log()
+    return busy
+
+
+def test_disconnect_stops_a_non_streaming_generation(shared_server) -> None:
+    """A client that gives up on a non-streaming request (while tokens keep coming) stops its generation."""
+    before = shared_server.log().count("client disconnected")
+    body = {"messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 3000, "ban_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(shared_server.url + "/v1/chat/completions", json=body, timeout=1.5)
+    busy = _wait_idle(shared_server, 5)
+    assert busy.endswith(" 0"), busy  # 3000 tokens would take far longer than 5 s here
+    time.sleep(0.6)  # a loop that kept polling the gone client would log again
+    assert shared_server.log().count("client disconnected") == before + 1
 
 
 def test_full_queue_answers_503_with_retry_after(live_server_factory, tmp_path: Path) -> None:

@@ -97,3 +97,13 @@ def test_forced_stream_emits_each_call_once_complete() -> None:
         emitted.append([c.name for c in calls])
     assert emitted == [[], ["get_time"], ["get_weather"]]
     assert stream.finish() == ("", [])
+
+
+def test_parallel_tool_calls_false_keeps_one_call_in_auto_mode() -> None:
+    text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {"city": "Y"}}</tool_call>'
+    for parallel, names in ((None, ["get_time", "get_weather"]), (False, ["get_time"])):
+        plan = tools.plan_tools([WEATHER, TIME], "auto", parallel)
+        stream = tools.ToolStream(plan)
+        stream.feed(text)
+        assert [c.name for c in stream.finish()[1]] == names
+        assert ("at most one call" in tools.system_prompt(plan)) is (parallel is False)
