@@ -59,3 +59,7 @@ class QueueFull(TextgenError):
 
 class NotSupported(TextgenError):
     """The loaded backend cannot do what was asked (e.g. embeddings, grammar, LoRA)."""
+
+
+class ExtensionFailed(TextgenError):
+    """An extension raised while producing a reply; it has been switched off."""

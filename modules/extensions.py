@@ -23,6 +23,7 @@ from typing import Any
 import pluggy
 
 from modules import shared
+from modules.errors import ExtensionFailed
 from modules.paths import ROOT, UnsafePath, safe_child
 
 log = logging.getLogger(__name__)
@@ -298,12 +299,41 @@ def apply_modifier(hook: str, value: Any, **kwargs: Any) -> Any:
 
 
 def first_result(hook: str, **kwargs: Any) -> Any:
-    """The first non-None result of a firstresult hook, in enable order."""
+    """The first non-None result of a firstresult hook, in enable order (an iterator is guarded, see below)."""
     for ext in implementers(hook):
         result = call(ext, hook, **kwargs)
         if result is not None:
-            return result
+            return guarded(ext, hook, result) if isinstance(result, Iterator) else result
     return None
+
+
+def guarded(ext: Extension, hook: str, items: Iterator[Any]) -> Iterator[Any]:
+    """``items`` from ``ext``'s ``hook``; if it raises while iterated, the extension is switched off and the
+    generation ends with ExtensionFailed (a clear message) instead of the extension's traceback."""
+    try:
+        yield from items
+    except Exception as exc:
+        _disable(ext, f"{hook}() raised while iterated:\n{traceback.format_exc()}")
+        raise ExtensionFailed(
+            f"The extension {ext.name} failed ({type(exc).__name__}: {exc}) and was switched off; try again."
+        ) from exc
+
+
+def guard_callable(ext: Extension, hook: str, func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` (e.g. a logits processor an extension added) with the same failure isolation as ``guarded``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not ext.active:
+            raise ExtensionFailed(f"The extension {ext.name} was switched off; try again.")
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            _disable(ext, f"{hook}: a callable it returned raised:\n{traceback.format_exc()}")
+            raise ExtensionFailed(
+                f"The extension {ext.name} failed ({type(exc).__name__}: {exc}) and was switched off; try again."
+            ) from exc
+
+    return wrapper
 
 
 def collect(hook: str, **kwargs: Any) -> list[Any]:

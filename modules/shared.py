@@ -83,6 +83,12 @@ def stop_generation(key: str | None = None) -> int:
     return len(events)
 
 
+def is_generating(key: str) -> bool:
+    """True while the generation registered under ``key`` (a browser session) runs."""
+    with _stop_lock:
+        return key in _stop_events
+
+
 def running_generations() -> int:
     """How many generations are running now."""
     with _stop_lock:

@@ -191,6 +191,12 @@ def read_card(data: bytes) -> tuple[Card, bytes | None]:
 
 
 def import_card(data: bytes, key: str | None = None) -> Character:
-    """Import a TavernAI/SillyTavern card (PNG v1/v2 or JSON) as a character; returns it."""
+    """Import a TavernAI/SillyTavern card (PNG v1/v2 or JSON) as a character (a new file, or ``key``); returns it."""
     card, picture = read_card(data)
-    return save_character(key or card.name, card.name, card.context, card.greeting, picture)
+    if key is None:  # never overwrite a character already there: "Name (2)", "Name (3)"...
+        taken = {k.lower() for k in list_characters()}
+        key, n = card.name, 1
+        while key.strip().lower() in taken:
+            n += 1
+            key = f"{card.name} ({n})"
+    return save_character(key, card.name, card.context, card.greeting, picture)

@@ -13,10 +13,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from modules import extensions
+from modules.chat.history import images_dir
 from modules.chat.prompt import ChatOptions, build_chat_prompt, build_impersonate_prompt
 from modules.errors import InvalidRequest
 from modules.generation.params import GenerationParams
-from modules.generation.pipeline import GenerationStats, current_model, generate_reply, make_state
+from modules.generation.pipeline import (
+    GenerationStats,
+    apply_state_modifier,
+    current_model,
+    generate_reply,
+    make_state,
+)
 from modules.images import load_image
 
 Message = dict[str, Any]
@@ -43,6 +50,19 @@ def chat_state(params: GenerationParams, options: ChatOptions) -> dict[str, Any]
     )
 
 
+def options_from_state(state: dict[str, Any], options: ChatOptions) -> ChatOptions:
+    """The chat settings as a ``state_modifier`` left them (the keys of :func:`chat_state`)."""
+    return replace(
+        options,
+        mode=state.get("mode") or options.mode,
+        character=state.get("character", options.character),
+        user_name=state.get("name1") or options.user_name,
+        user_bio=state.get("user_bio", options.user_bio),
+        system=state.get("system_message") or options.system,
+        instruction_template=state.get("instruction_template", options.instruction_template),
+    )
+
+
 def stream_reply(
     history: list[Message],
     params: GenerationParams,
@@ -60,6 +80,8 @@ def stream_reply(
     backend = current_model()
     options = options or ChatOptions(system=system)
     state = chat_state(params, options)
+    params = apply_state_modifier(state, params)  # first, so that changed chat settings shape the prompt
+    options = options_from_state(state, options)
     chat = build_chat_prompt(backend, history, options, params.max_new_tokens, state)
     if chat.character is not None:
         state["name2"] = chat.character.name
@@ -70,9 +92,17 @@ def stream_reply(
     reply = chat.reply_prefix
     tokens: list[tuple[str, float | None]] = []
     state["user_input"] = next((str(m["content"]) for m in reversed(history) if m["role"] == "user"), "")
-    images = [load_image(path, "messages") for path in chat.images] or None
+    images = [load_image(path, "messages", files_in=images_dir()) for path in chat.images] or None
     for delta in generate_reply(
-        chat.prompt, params, cancel=cancel, key=key, backend=backend, state=state, is_chat=True, images=images
+        chat.prompt,
+        params,
+        cancel=cancel,
+        key=key,
+        backend=backend,
+        state=state,
+        state_modified=True,
+        is_chat=True,
+        images=images,
     ):
         reply += delta.text
         tokens += [
@@ -123,7 +153,11 @@ def regenerate(history: list[Message], params: GenerationParams, **kwargs: Any) 
         raise InvalidRequest("there is no reply to regenerate")
     previous = history[-1]
     yield ChatUpdate(history[:-1])
-    yield from stream_reply(history[:-1], params, previous=previous, **kwargs)
+    try:
+        yield from stream_reply(history[:-1], params, previous=previous, **kwargs)
+    except Exception:
+        yield ChatUpdate(history)  # the generation failed: the old reply (and its versions) comes back
+        raise
 
 
 def continue_reply(history: list[Message], params: GenerationParams, **kwargs: Any) -> Iterator[ChatUpdate]:

@@ -6,6 +6,7 @@ A conversation holds its messages (``role``, ``content``, optional ``visible`` a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -17,11 +18,13 @@ from typing import Any
 from modules import shared
 from modules.errors import InvalidRequest
 from modules.fileio import atomic_write_text
+from modules.images import in_folder
 from modules.paths import UnsafePath, safe_child
 
 DEFAULT_USER = "default"
 ROLES = ("system", "user", "assistant")
 _NAME = re.compile(r"[^\w.\- ]+", re.UNICODE)
+_HASHED = re.compile(r"-[0-9a-f]{12}$")  # the suffix _folder_name adds; a name ending so gets its own hash
 
 
 @dataclass
@@ -43,8 +46,13 @@ class Conversation:
 
 
 def _folder_name(value: str) -> str:
-    cleaned = _NAME.sub("_", value).strip(" .") or "_"
-    return cleaned[:80]
+    """A folder name for a user or character: the name itself when it is a plain one, else a readable version
+    with a hash of the original, so two different names never share a folder ("bob?" and "bob!")."""
+    cleaned = _NAME.sub("_", value).strip(" .")
+    if cleaned == value and len(value) <= 80 and not _HASHED.search(value):
+        return value
+    digest = hashlib.sha256(value.encode("utf-8")).hexdigest()[:12]
+    return f"{cleaned[:60] or '_'}-{digest}"
 
 
 def logs_dir() -> Path:
@@ -96,8 +104,10 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         if isinstance(message.get("visible"), str):
             entry["visible"] = message["visible"]
         images = message.get("images")
-        if isinstance(images, list) and all(isinstance(i, str) for i in images):
-            entry["images"] = list(images)
+        if isinstance(images, list):  # only pictures kept by textgen: an uploaded file cannot point elsewhere
+            kept = [i for i in images if isinstance(i, str) and in_folder(i, images_dir())]
+            if kept:
+                entry["images"] = kept
         versions = message.get("versions")
         if isinstance(versions, list) and versions and all(isinstance(v, str) for v in versions):
             entry["versions"] = list(versions)
@@ -122,6 +132,19 @@ def save(conv: Conversation) -> Path:
     path = _path(conv.user, conv.character, conv.id)
     atomic_write_text(path, json.dumps(conv.to_json(), ensure_ascii=False, indent=1))
     return path
+
+
+def save_if_started(conv: Conversation, greeting: str = "") -> bool:
+    """Save a chat that has more than its greeting, or that was saved before (a removal must reach the file too).
+
+    A fresh chat showing only the character's greeting is not written, so opening chats leaves no empty files.
+    """
+    shown = [(m["role"], m["content"]) for m in conv.messages]
+    pristine = shown in ([], [("assistant", greeting)])
+    if pristine and not _path(conv.user, conv.character, conv.id).is_file():
+        return False
+    save(conv)
+    return True
 
 
 def load(user: str, character: str, conv_id: str) -> Conversation:

@@ -313,14 +313,3 @@ def build_impersonate_prompt(
 
     prompt, _ = fit_history(backend, build_chat, history, max_new_tokens)
     return prompt, [f"\n{character.name}:", f"\n{user}:"]
-
-
-def context_usage(
-    backend: Backend, history: list[Message], options: ChatOptions, max_new_tokens: int
-) -> tuple[int, int]:
-    """(tokens the next prompt takes, the context length)."""
-    try:
-        chat = build_chat_prompt(backend, history, options, max_new_tokens)
-    except InvalidRequest:
-        return 0, backend.context_length
-    return token_count(backend, chat.prompt), backend.context_length

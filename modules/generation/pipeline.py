@@ -105,6 +105,17 @@ def params_from_state(state: dict[str, Any], params: GenerationParams) -> Genera
     return params.replace(**changed) if changed else params
 
 
+def apply_state_modifier(state: dict[str, Any], params: GenerationParams) -> GenerationParams:
+    """Run the extensions' ``state_modifier`` on ``state`` (changed in place); returns the parameters it left."""
+    if not extensions.implementers("state_modifier"):
+        return params
+    modified = extensions.apply_modifier("state_modifier", state)
+    if isinstance(modified, dict) and modified is not state:
+        state.clear()
+        state.update(modified)
+    return params_from_state(state, params)
+
+
 def prepare(
     prompt: str | list[int],
     params: GenerationParams,
@@ -112,12 +123,13 @@ def prepare(
     *,
     strict: bool = False,
     state: dict[str, Any] | None = None,
+    state_modified: bool = False,
     is_chat: bool = False,
     images: list[Any] | None = None,
 ) -> Prepared:
     """Apply the extensions' input hooks, tokenize and check; raises before anything runs.
 
-    Hooks, in order: ``state_modifier``; ``input_modifier`` (raw prompts; chat input is modified earlier, when
+    Hooks, in order: ``state_modifier`` (unless the caller ran it already: ``state_modified``); ``input_modifier`` (raw prompts; chat input is modified earlier, when
     the prompt is built); ``custom_generate_reply``; ``tokenizer_modifier``. Raises InvalidRequest (a parameter
     the backend does not support, with ``strict``) or ContextOverflow.
     """
@@ -127,12 +139,8 @@ def prepare(
     else:  # the caller's dict sees what the hooks change
         for key, value in make_state(params).items():
             state.setdefault(key, value)
-    if extensions.implementers("state_modifier"):
-        modified = extensions.apply_modifier("state_modifier", state)
-        if isinstance(modified, dict) and modified is not state:
-            state.clear()
-            state.update(modified)
-        params = params_from_state(state, params)
+    if not state_modified:
+        params = apply_state_modifier(state, params)
     check_params(backend, params, strict)
     original = prompt
     if isinstance(prompt, str) and not is_chat:
@@ -272,6 +280,7 @@ def start_reply(
     strict: bool = False,
     backend: Backend | None = None,
     state: dict[str, Any] | None = None,
+    state_modified: bool = False,
     is_chat: bool = False,
     images: list[Any] | None = None,
 ) -> Iterator[Delta]:
@@ -282,7 +291,16 @@ def start_reply(
     :func:`shared.stop_generation` with ``key``) ends the generation within one step.
     """
     backend = backend or current_model()
-    prepared = prepare(prompt, params, backend, strict=strict, state=state, is_chat=is_chat, images=images)
+    prepared = prepare(
+        prompt,
+        params,
+        backend,
+        strict=strict,
+        state=state,
+        state_modified=state_modified,
+        is_chat=is_chat,
+        images=images,
+    )
     cancel = cancel or threading.Event()
     events = launch(prepared, backend, cancel)
     key = key or uuid.uuid4().hex

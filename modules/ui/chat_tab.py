@@ -16,9 +16,10 @@ from modules import shared
 from modules.chat import engine
 from modules.chat import history as store
 from modules.chat.characters import DEFAULT_CHARACTER, list_characters
-from modules.chat.prompt import DEFAULT_CHAT_INSTRUCT_COMMAND, MODES, ChatOptions, context_usage
+from modules.chat.prompt import DEFAULT_CHAT_INSTRUCT_COMMAND, MODES, ChatOptions
 from modules.chat.templates import list_instruction_templates
 from modules.errors import TextgenError
+from modules.generation.pipeline import GenerationStats
 from modules.ui.parameters_tab import ParamsUI
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class ChatUI:
     """The chat tab's components."""
 
     chatbot: Any
-    conv: Any  # gr.State: {"conv": Conversation JSON, "incognito": bool}
+    conv: Any  # gr.State: {"conv": Conversation JSON, "incognito": bool, "greeting": the new chat's greeting}
     textbox: Any
     pending: Any
     image: Any
@@ -70,7 +71,8 @@ def user_of(request: gr.Request | None) -> tuple[str, bool]:
         return store.DEFAULT_USER, False
     name = getattr(request, "username", None) if request is not None else None
     if name:
-        return str(name), False
+        # a login called "default" must not see the single-user histories: its name gets a hashed folder
+        return (f"{name}@" if str(name).lower() == store.DEFAULT_USER else str(name)), False
     return "anonymous", True  # without sign-in there is no owner to keep histories for
 
 
@@ -126,7 +128,7 @@ def new_state(request: gr.Request | None, character: str, mode: str, greeting: s
     """A fresh conversation for this user."""
     user, forced = user_of(request)
     conv = store.new_conversation(character or DEFAULT_CHARACTER, user=user, mode=mode, greeting=greeting)
-    return {"conv": conv.to_json(), "incognito": forced}
+    return {"conv": conv.to_json(), "incognito": forced, "greeting": greeting}
 
 
 def conversation(state: dict[str, Any], request: gr.Request | None) -> store.Conversation:
@@ -140,20 +142,17 @@ def persist(state: dict[str, Any], messages: list[dict[str, Any]], request: gr.R
     """Store the messages in the state and, unless the chat is incognito, on disk."""
     conv = conversation(state, request)
     conv.messages = messages
-    if not state.get("incognito") and any(m["role"] == "user" for m in messages):
-        store.save(conv)
+    if not state.get("incognito"):
+        store.save_if_started(conv, str(state.get("greeting") or ""))
     return {**state, "conv": conv.to_json()}
 
 
-def usage_text(messages: list[dict[str, Any]], options: ChatOptions, max_new: int) -> str:
-    """'Context: used / size tokens'."""
+def usage_text(stats: GenerationStats) -> str:
+    """'Context: used / size tokens' after a reply: its prompt (the history as the model saw it) and the reply."""
     backend = shared.model
     if backend is None:
         return "Context: no model loaded"
-    try:
-        used, size = context_usage(backend, messages, options, max_new)
-    except TextgenError:
-        return ""
+    used, size = stats.prompt_tokens + stats.new_tokens, backend.context_length
     return f"Context: {used} / {size} tokens ({100 * used // max(size, 1)}%)"
 
 
@@ -250,11 +249,7 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
         return settings, options, params.to_params(*values[n_settings + 1 :])
 
     def run(
-        updates: Iterator[engine.ChatUpdate],
-        state: dict[str, Any],
-        options: ChatOptions,
-        max_new: int,
-        request: gr.Request,
+        updates: Iterator[engine.ChatUpdate], state: dict[str, Any], request: gr.Request
     ) -> Iterator[tuple[Any, ...]]:
         messages = list(state.get("conv", {}).get("messages", []))
         before = len(messages)
@@ -276,7 +271,7 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
                         display(messages, state.get("show_all", False)),
                         state,
                         update.stats.summary(),
-                        usage_text(messages, options, max_new),
+                        usage_text(update.stats),
                     )
         except TextgenError as exc:
             gr.Warning(str(exc))
@@ -303,7 +298,7 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
         messages = list(state.get("conv", {}).get("messages", []))
         images = [store.store_image(Path(picture))] if picture else None
         updates = engine.send(messages, text, gen, options=options, images=images, key=request.session_hash)
-        yield from run(updates, state, options, gen.max_new_tokens, request)
+        yield from run(updates, state, request)
 
     def on_history_action(action: Any) -> Any:
         """A handler running ``action`` (regenerate, continue) on the chat's history."""
@@ -312,7 +307,7 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
             _, options, gen = split(values)
             messages = list(state.get("conv", {}).get("messages", []))
             updates = action(messages, gen, options=options, key=request.session_hash)
-            yield from run(updates, state, options, gen.max_new_tokens, request)
+            yield from run(updates, state, request)
 
         return handler
 
@@ -327,8 +322,17 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
         except TextgenError as exc:
             gr.Warning(str(exc))
 
+    def busy(request: gr.Request) -> bool:
+        """True (and the user is told) while this session's reply streams: its final save would undo a change."""
+        if shared.is_generating(request.session_hash or ""):
+            gr.Info("A reply is being written: stop it or let it finish before changing the chat.")
+            return True
+        return False
+
     def on_version(step: int) -> Any:
         def change(state: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
+            if busy(request):
+                return gr.skip(), state
             messages = list(state.get("conv", {}).get("messages", []))
             index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("versions")), None)
             if index is None:
@@ -342,6 +346,8 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
 
     def on_edit(data: gr.EditData, state: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
         messages = list(state.get("conv", {}).get("messages", []))
+        if busy(request):
+            return display(messages, state.get("show_all", False)), state  # the edit is not kept
         shown = data.index if isinstance(data.index, int) else data.index[0]
         value = data.value if isinstance(data.value, str) else str((data.value or {}).get("text", data.value))
         try:
@@ -355,11 +361,15 @@ def wire(ui: ChatUI, params: ParamsUI) -> None:
         return display(messages, state.get("show_all", False)), state
 
     def on_remove(state: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
+        if busy(request):
+            return gr.skip(), state, gr.skip()
         messages, text = engine.remove_last(list(state.get("conv", {}).get("messages", [])))
         state = persist(state, messages, request)
         return display(messages, state.get("show_all", False)), state, text
 
     def on_as_assistant(text: str, state: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
+        if busy(request):
+            return gr.skip(), state, text
         try:
             messages = engine.send_as_assistant(list(state.get("conv", {}).get("messages", [])), text)
         except TextgenError as exc:

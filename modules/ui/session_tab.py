@@ -14,12 +14,12 @@ from modules.errors import TextgenError
 def build() -> None:
     """Create the Session tab's components inside the current Blocks context."""
     gr.Markdown("### Extensions")
-    table = gr.Dataframe(
-        session.extension_rows(), headers=["extension", "status", "name"], interactive=False, elem_id="extensions-table"
+    table = gr.Dataframe(  # callables: read again at each page load, so a failure after startup shows
+        session.extension_rows, headers=["extension", "status", "name"], interactive=False, elem_id="extensions-table"
     )
     enabled = gr.CheckboxGroup(
         extensions.available(),
-        value=[e.name for e in extensions.active()],
+        value=lambda: [e.name for e in extensions.active()],
         label="Enabled",
         elem_id="extensions-enabled",
     )

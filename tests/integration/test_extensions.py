@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from modules import extensions, loaders, models, shared
 from modules.chat import engine
 from modules.chat.prompt import ChatOptions
+from modules.errors import ExtensionFailed
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import generate_text
 from tests.conftest import DEFAULT_MODEL
@@ -25,6 +26,8 @@ from typing import Any
 
 params = {"display_name": "Hook test", "is_tab": False, "suffix": "!"}
 seen = []
+prompts = []  # what tokenizer_modifier was given: the final prompts
+OWN_PROMPT = "<|im_start|>user\\nName the capital of France.<|im_end|>\\n<|im_start|>assistant\\n"
 
 def setup():
     seen.append("setup")
@@ -43,6 +46,8 @@ def state_modifier(state):
     seen.append("state_modifier")
     state["temperature"] = 0.0
     state["max_new_tokens"] = min(state["max_new_tokens"], 30)
+    if state.get("system_message"):  # a chat setting: it must reach the prompt
+        state["system_message"] += " HOOKED-SYSTEM"
     return state
 
 def chat_input_modifier(text, visible_text, state):
@@ -64,7 +69,7 @@ def bot_prefix_modifier(string, state):
 
 def custom_generate_chat_prompt(user_input, state, **kwargs):
     seen.append("custom_generate_chat_prompt")
-    return None
+    return OWN_PROMPT if "OWNPROMPT" in user_input else None
 
 def custom_generate_reply(question, original_question, state, stopping_strings, is_chat):
     seen.append("custom_generate_reply")
@@ -74,11 +79,15 @@ def custom_generate_reply(question, original_question, state, stopping_strings, 
 
 def tokenizer_modifier(state, prompt, input_ids):
     seen.append("tokenizer_modifier")
+    prompts.append(prompt)
+    if prompt == "TOKMOD":
+        from modules import shared
+        return prompt, shared.model.encode("The capital of France is")
     return prompt, input_ids
 
 def custom_tokenized_length(prompt):
     seen.append("custom_tokenized_length")
-    return None
+    return 10**6 if "TRUNCATE-ME" in prompt else None  # the truncation must drop that message
 
 def logits_processor_modifier(processor_list, input_ids):
     seen.append("logits_processor_modifier")
@@ -119,7 +128,14 @@ def test_every_hook_runs_on_a_real_generation(with_default_model: Path, user_dat
     (ext,) = extensions.load_extensions(["hooktest"])
     assert ext.active and ext.params["suffix"] == "?!" and ext.display_name == "Hook test"
     models.load_model(DEFAULT_MODEL)
-    history = [{"role": "user", "content": "DROP ME please"}, {"role": "assistant", "content": "ok"}]
+    assert ext.module.seen == ["setup"]
+    ext.module.seen.clear()
+    history = [
+        {"role": "user", "content": "DROP ME please"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "TRUNCATE-ME old question"},
+        {"role": "assistant", "content": "old answer"},
+    ]
     params = GenerationParams(temperature=1.5, max_new_tokens=200)
     updates = list(engine.send(history, "CAPITAL?", params, options=ChatOptions(system=SYSTEM)))
     final = updates[-1]
@@ -128,10 +144,21 @@ def test_every_hook_runs_on_a_real_generation(with_default_model: Path, user_dat
     assert "Paris" in reply["content"]  # input_modifier and bot_prefix_modifier steered it; temperature 0 from state
     assert reply["visible"] == reply["content"].upper() + "?!"
     assert final.stats is not None and final.stats.new_tokens <= 30  # state_modifier capped it
-    for hook in ("setup", "state_modifier", "chat_input_modifier", "input_modifier", "history_modifier",
-                 "bot_prefix_modifier", "custom_generate_chat_prompt", "custom_generate_reply", "tokenizer_modifier",
-                 "custom_tokenized_length", "output_modifier"):  # fmt: skip
-        assert hook in ext.module.seen, hook
+    prompt = ext.module.prompts[-1]
+    assert "HOOKED-SYSTEM" in prompt  # state_modifier ran before the prompt was built
+    assert "What is the capital of France?" in prompt and "DROP ME" not in prompt  # input and history hooks
+    assert "TRUNCATE-ME" not in prompt and "old answer" in prompt  # custom_tokenized_length drove truncation
+    first_seen = list(dict.fromkeys(ext.module.seen))
+    assert first_seen == [  # the documented order (docs/extensions.md)
+        "chat_input_modifier", "state_modifier", "input_modifier", "history_modifier", "custom_generate_chat_prompt",
+        "custom_tokenized_length", "bot_prefix_modifier", "custom_generate_reply", "tokenizer_modifier",
+        "output_modifier",
+    ], first_seen  # fmt: skip
+    own = list(engine.send([], "OWNPROMPT", params, options=ChatOptions(system=SYSTEM)))[-1]
+    assert ext.module.prompts[-1].startswith(ext.module.OWN_PROMPT)  # custom_generate_chat_prompt replaced it
+    assert "Paris" in own.history[-1]["content"]
+    steered, _ = generate_text("TOKMOD", GenerationParams(temperature=0, max_new_tokens=5))
+    assert "Paris" in steered  # tokenizer_modifier's ids are what the model read
     magic, _ = generate_text("MAGIC words", GenerationParams())
     assert magic == "abracadabra"
     assert loaders.get("hooktest-null").loader_name == "hooktest-null"
@@ -143,7 +170,7 @@ def test_every_hook_runs_on_a_real_generation(with_default_model: Path, user_dat
     page = client.get("/")
     assert page.status_code == 200
     config = client.get("/config").text
-    assert "hooktest-ui" in config and "hooktest-css" in config
+    assert "hooktest-ui" in config and "hooktest-css" in config and "window.hooktest" in config
 
 
 def test_modifiers_chain_in_enable_order(hub: object, user_data: Path) -> None:
@@ -189,6 +216,25 @@ def test_a_failing_extension_is_switched_off_and_the_rest_goes_on(with_default_m
 
     statuses = {row[0]: row[1] for row in session.extension_rows()}
     assert statuses["broken_hook"].startswith("failed") and statuses["fine"] == "active"
+
+
+def test_an_extension_reply_that_raises_midway_is_switched_off(with_default_model: Path, user_data: Path) -> None:
+    write_extension(
+        user_data,
+        "flaky_reply",
+        "def custom_generate_reply(question, original_question, state, stopping_strings, is_chat):\n"
+        "    def pieces():\n"
+        "        yield 'first'\n"
+        "        raise RuntimeError('broke midway')\n"
+        "    return pieces()\n",
+    )
+    (ext,) = extensions.load_extensions(["flaky_reply"])
+    models.load_model(DEFAULT_MODEL)
+    with pytest.raises(ExtensionFailed, match="flaky_reply"):
+        generate_text("Hello", GenerationParams(temperature=0, max_new_tokens=5))
+    assert not ext.active and "broke midway" in (ext.error or "")
+    text, _ = generate_text("The capital of France is", GenerationParams(temperature=0, max_new_tokens=5))
+    assert "Paris" in text  # the model answers again
 
 
 def test_user_data_extension_wins_over_the_bundled_one(hub: object, user_data: Path) -> None:

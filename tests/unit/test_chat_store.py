@@ -146,6 +146,9 @@ def test_v1_and_v2_png_cards_and_json(hub: object, user_data: Path) -> None:
     from_json = characters.import_card(json.dumps({"name": "Plain", "description": "From JSON."}).encode())
     assert from_json.context == "From JSON."
     assert {"Seraphina", "Captain Vega", "Plain"} <= set(characters.list_characters())
+    again = characters.import_card(card_png({**v1, "first_mes": "A second Seraphina."}))
+    assert again.key == "Seraphina (2)" and again.name == "Seraphina"  # the first one is not overwritten
+    assert characters.load_character("Seraphina").greeting.startswith("*smiles*")
     with pytest.raises(InvalidRequest, match="chara"):
         plain = io.BytesIO()
         Image.new("RGB", (4, 4)).save(plain, format="PNG")
@@ -161,3 +164,56 @@ def test_save_and_delete_character(hub: object) -> None:
     assert "Tester" not in characters.list_characters()
     with pytest.raises(InvalidRequest):
         characters.save_character("../escape", "x", "y")
+
+
+def test_a_failed_regenerate_gives_the_old_reply_back(hub: object) -> None:
+    """Regenerate hides the old reply while the new one streams; when generation fails, the old one returns."""
+    from modules.chat import engine
+    from modules.errors import ModelNotLoaded
+    from modules.generation.params import GenerationParams
+
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "new", "versions": ["old", "new"], "version": 1},
+    ]
+    seen = []
+    with pytest.raises(ModelNotLoaded):  # no model is loaded
+        for update in engine.regenerate(chat, GenerationParams()):
+            seen.append(update.history)
+    assert seen[0] == chat[:1] and seen[-1] == chat
+
+
+def test_different_names_never_share_a_folder(hub: object, user_data: Path) -> None:
+    names = ["bob", "bob!", "bob?", "bob_", "bob.", " bob", "a/b", "..", "bob_-" + "0" * 12]
+    folders = [history._folder_name(n) for n in names]
+    assert len(set(folders)) == len(names)
+    assert folders[0] == "bob" and folders[3] == "bob_"  # plain names stay readable
+    for name in names:
+        conv = history.new_conversation("Assistant", user=name)
+        conv.messages.append({"role": "user", "content": f"secret of {name}"})
+        history.save(conv)
+    for name in names:
+        [entry] = history.list_conversations(name, "Assistant")
+        assert history.load(name, "Assistant", entry["id"]).messages[0]["content"] == f"secret of {name}"
+
+
+def test_uploaded_histories_cannot_point_at_server_files(hub: object, user_data: Path) -> None:
+    kept = str(history.images_dir() / "abc.png")
+    checked = history.validate_messages(
+        [{"role": "user", "content": "look", "images": ["/etc/passwd", kept, str(history.images_dir() / ".." / "x")]}]
+    )
+    assert checked[0]["images"] == [kept]
+    from modules.images import load_image
+
+    with pytest.raises(InvalidRequest):
+        load_image("/etc/hostname")  # no folder given: a client's path is never read
+
+
+def test_a_chat_is_saved_once_started_and_its_removals_too(hub: object, user_data: Path) -> None:
+    conv = history.new_conversation("Assistant", greeting="Hello!")
+    assert not history.save_if_started(conv, "Hello!")  # only the greeting: no file
+    conv.messages.append({"role": "assistant", "content": "sent as the assistant"})
+    assert history.save_if_started(conv, "Hello!")
+    conv.messages = conv.messages[:1]  # "remove last" back to the greeting: the file must follow
+    assert history.save_if_started(conv, "Hello!")
+    assert history.load(conv.user, "Assistant", conv.id).messages == [{"role": "assistant", "content": "Hello!"}]
