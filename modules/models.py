@@ -234,7 +234,8 @@ def list_loras() -> list[str]:
 def apply_loras(names: list[str], weights: list[float] | None = None) -> list[str]:
     """Replace the loaded model's adapters with ``names`` (scaled by ``weights``); returns what is applied.
 
-    Raises ModelNotLoaded, ModelNotFound for a missing adapter (nothing changes), or the backend's refusal.
+    Raises ModelNotLoaded, ModelNotFound for a missing adapter, or the backend's refusal (e.g. while generations
+    run); on any of them the applied adapters stay as they were.
     """
     with shared.model_lock:
         backend = shared.model
@@ -254,11 +255,9 @@ def apply_loras(names: list[str], weights: list[float] | None = None) -> list[st
             if not path.exists():
                 raise ModelNotFound(f"LoRA {name!r} is not in {shared.loras_dir()}")
             paths.append(path)
-        if shared.loras:
-            backend.unload_lora(None)
-            shared.loras = []
-        for name, path, weight in zip(names, paths, weights, strict=True):
-            backend.load_lora(path, weight)
-            shared.loras.append(name)
+        if paths or shared.loras:
+            # one change: the backend refuses it whole (e.g. while generations run) or applies it whole
+            backend.set_loras(list(zip(paths, weights, strict=True)))
+            shared.loras = list(names)
         log.info("LoRAs applied: %s", ", ".join(shared.loras) or "none")
         return list(shared.loras)

@@ -60,7 +60,14 @@ class GenerationParams:
         0.0, "Drop tokens below this probability, in units of 1e-4 (0: off).", "truncation", ge=0, le=9
     )
     eta_cutoff: float = _f(0.0, "Eta sampling cutoff, in units of 1e-4 (0: off).", "truncation", ge=0, le=20)
-    xtc_threshold: float = _f(0.1, "XTC: tokens above this probability may be excluded.", "truncation", ge=0, le=1)
+    xtc_threshold: float = _f(
+        0.1,
+        "XTC: tokens above this probability may be excluded. Above 0.5 at most one token can pass it, so "
+        "llama.cpp switches XTC off there (the torch backends then never exclude anything either).",
+        "truncation",
+        ge=0,
+        le=1,
+    )
     xtc_probability: float = _f(
         0.0, "XTC: chance of excluding the top choices at a step (0: off).", "truncation", ge=0, le=1
     )

@@ -300,12 +300,14 @@ class XTC:
 class Mirostat:
     """Mirostat v1 or v2: keep the surprise near ``tau`` by adapting the truncation; picks the token itself.
 
-    The returned scores leave only the chosen token finite, so the sampler after it takes that token.
+    The returned scores leave only the chosen token finite, so the sampler after it takes that token. As in
+    the paper and llama.cpp, the observed surprise is that of the chosen token among the ``k`` kept ones.
     """
 
     def __init__(self, mode: int, tau: float, eta: float, generator: torch.Generator, m: int = 100) -> None:
         self.mode, self.tau, self.eta, self.generator, self.m = mode, tau, eta, generator, m
         self.mu = 2 * tau
+        self.k = 0  # how many tokens the last step kept
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores[0], dim=-1)
@@ -329,9 +331,11 @@ class Mirostat:
             surprise = -torch.log2(sorted_probs.clamp_min(1e-30))
             k = max(1, int((surprise <= self.mu).sum()))
             candidates = sorted_probs[:k]
-        choice = int(torch.multinomial(candidates / candidates.sum(), 1, generator=self.generator))
+        self.k = k
+        kept = candidates / candidates.sum()
+        choice = int(torch.multinomial(kept, 1, generator=self.generator))
         token = int(order[choice])
-        observed = -math.log2(max(float(probs[token]), 1e-30))
+        observed = -math.log2(max(float(kept[choice]), 1e-30))
         self.mu -= self.eta * (observed - self.tau)
         out = torch.full_like(scores, NEG_INF)
         out[0, token] = scores[0, token]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -79,6 +80,31 @@ def pump(events: Iterator[TokenEvent], sink: TokenSink, name: str) -> None:
 def _dispatch(items: list[tuple[TokenSink, TokenEvent | BaseException]]) -> None:
     for sink, event in items:
         sink.queue.put_nowait((sink.tag, event))
+
+
+class QueuePlace:
+    """A stream's place in a backend's bounded queue, given back exactly once.
+
+    The backend counts the place in (or raises QueueFull) under its own lock when the request arrives; the
+    stream calls :meth:`release` when it gets the model or ends, and :meth:`guard` makes a stream that is
+    dropped before it ever runs (so its ``finally`` never runs) give its place back as well.
+    """
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        """Give the place back (once; later calls do nothing)."""
+        with self._lock:
+            release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def guard(self, stream: Iterator[TokenEvent]) -> Iterator[TokenEvent]:
+        """Return ``stream``, releasing the place when it is garbage-collected if nothing released it before."""
+        weakref.finalize(stream, self.release)
+        return stream
 
 
 @dataclass
@@ -188,6 +214,16 @@ class Backend(ABC):
     def unload_lora(self, path: Path | None = None) -> None:
         """Remove one adapter, or all of them."""
         raise NotSupported(f"the {self.loader_name} backend cannot load LoRA adapters")
+
+    def set_loras(self, adapters: list[tuple[Path, float]]) -> None:
+        """Replace the applied adapters with ``adapters`` (path, scale); an empty list removes them all.
+
+        This default unloads then loads one by one; backends that can refuse or apply the whole change at once
+        (so a generation never runs with half of it) override it.
+        """
+        self.unload_lora(None)
+        for path, scale in adapters:
+            self.load_lora(path, scale)
 
     def score(self, prompt_ids: list[int], top: int = 0) -> list[tuple[float | None, list[tuple[int, float]]]]:
         """For each prompt token, its log probability given the tokens before it and the ``top`` alternatives.

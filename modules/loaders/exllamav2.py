@@ -1,11 +1,14 @@
 """ExLlamaV2 backend: EXL2 models on CUDA through exllamav2's dynamic generator, so concurrent requests batch.
 
-A scheduler thread calls ``generator.iterate()``; each request is a job whose results are handed to its stream.
+A scheduler thread owns the generator: request threads only queue jobs in a pending list, and the scheduler
+enqueues, cancels and iterates them (the dynamic generator is not thread-safe). Each job's results are handed
+to its stream.
 Without CUDA it refuses with a clear message and the server keeps running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -48,6 +51,7 @@ class _Job:
     out: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
     cancel: threading.Event = field(default_factory=threading.Event)
     generated: int = 0
+    enqueued: bool = False  # handed to the generator (by the scheduler thread)
 
 
 class ExLlamaV2Backend(Backend):
@@ -64,7 +68,9 @@ class ExLlamaV2Backend(Backend):
         self.cache: Any = None
         self.tokenizer: Any = None
         self.generator: Any = None
-        self._jobs: dict[Any, _Job] = {}
+        self._jobs: dict[Any, _Job] = {}  # every job not yet finished, pending or enqueued
+        self._pending: list[_Job] = []  # jobs the scheduler has yet to enqueue
+        self._breakers: dict[tuple[str, ...], set[int]] = {}
         self._cv = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -151,6 +157,7 @@ class ExLlamaV2Backend(Backend):
         for job in self._jobs.values():
             job.out.put(TokenEvent(-1, b"", finish_reason="cancelled"))
         self._jobs.clear()
+        self._pending.clear()
         if self.model is not None:
             self.model.unload()
         self.model = self.cache = self.generator = None
@@ -198,6 +205,11 @@ class ExLlamaV2Backend(Backend):
                 params.temperature + params.dynatemp_range,
             )
             s.temp_exponent = params.dynatemp_exponent
+        if params.mirostat_mode == 1:  # exllamav2's mirostat truncates by surprise against mu: that is v2
+            raise InvalidRequest(
+                "ExLlamaV2 implements Mirostat 2 only: use mirostat_mode 2, or llama.cpp or transformers for mode 1",
+                param="mirostat_mode",
+            )
         s.mirostat, s.mirostat_tau, s.mirostat_eta = params.mirostat_mode > 0, params.mirostat_tau, params.mirostat_eta
         s.xtc_probability, s.xtc_threshold = params.xtc_probability, params.xtc_threshold
         s.dry_multiplier, s.dry_base, s.dry_allowed_length = (
@@ -205,16 +217,28 @@ class ExLlamaV2Backend(Backend):
             params.dry_base,
             params.dry_allowed_length,
         )
-        if params.logit_bias:
+        if params.dry_multiplier > 0:
+            s.dry_sequence_breakers = self._breaker_ids(params.dry_sequence_breakers)
+        if params.logit_bias:  # exllamav2 reads token_bias, sized like its own disallow_tokens() makes it
             import torch
 
-            bias = torch.zeros(self.tokenizer.get_vocab_size())
+            vocab = int(self.tokenizer.config.vocab_size)
+            bias = torch.zeros((vocab + (-vocab % 32),), dtype=torch.float)
             for token, value in params.logit_bias.items():
-                bias[token] = float("-inf") if value <= -100 else value
-            s.logit_bias = bias
+                if 0 <= token < vocab:
+                    bias[token] = float("-inf") if value <= -100 else value
+            s.token_bias = bias
         if params.ban_eos:
             s.disallow_tokens(self.tokenizer, [self.tokenizer.eos_token_id])
         return s
+
+    def _breaker_ids(self, breakers: list[str]) -> set[int]:
+        """Token ids whose text contains a DRY sequence breaker (exllamav2 takes ids, not strings)."""
+        key = tuple(breakers)
+        if key not in self._breakers:
+            pieces = self.tokenizer.get_id_to_piece_list(True)
+            self._breakers[key] = {i for i, piece in enumerate(pieces) if any(b and b in piece for b in breakers)}
+        return self._breakers[key]
 
     def generate(
         self,
@@ -231,22 +255,24 @@ class ExLlamaV2Backend(Backend):
             raise ModelLoadError("the model has been unloaded")
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        job = ExLlamaV2DynamicJob(
+            input_ids=torch.tensor([prompt_ids]),
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.min_tokens,
+            gen_settings=self._settings(params),
+            stop_conditions=[] if params.ban_eos else [self.tokenizer.eos_token_id],
+            seed=params.resolved_seed(),
+            return_top_tokens=params.top_logprobs,
+            return_probs=params.logprobs or params.top_logprobs > 0,
+        )
+        entry = _Job(job=job, cancel=cancel)
         with self._cv:
+            if not self._running:
+                raise ModelLoadError("the model has been unloaded")
             if len(self._jobs) >= self.max_parallel + self._max_queue:
                 raise QueueFull()
-            job = ExLlamaV2DynamicJob(
-                input_ids=torch.tensor([prompt_ids]),
-                max_new_tokens=params.max_new_tokens,
-                min_new_tokens=params.min_tokens,
-                gen_settings=self._settings(params),
-                stop_conditions=[] if params.ban_eos else [self.tokenizer.eos_token_id],
-                seed=params.resolved_seed(),
-                return_top_tokens=params.top_logprobs,
-                return_probs=params.logprobs or params.top_logprobs > 0,
-            )
-            entry = _Job(job=job, cancel=cancel)
             self._jobs[job] = entry
-            self.generator.enqueue(job)
+            self._pending.append(entry)  # the scheduler enqueues it: the generator is not thread-safe
             self._cv.notify_all()
         return self._stream(entry)
 
@@ -269,18 +295,36 @@ class ExLlamaV2Backend(Backend):
                     self._cv.wait()
                 if not self._running:
                     return
+                # only this thread touches the generator: new jobs go in, cancelled ones out, between iterations
                 for entry in [e for e in self._jobs.values() if e.cancel.is_set()]:
-                    self.generator.cancel(entry.job)
+                    if entry.enqueued:
+                        self.generator.cancel(entry.job)
                     self._jobs.pop(entry.job, None)
                     entry.out.put(TokenEvent(-1, b"", finish_reason="cancelled"))
+                pending, self._pending = self._pending, []
+                for entry in pending:
+                    if entry.job not in self._jobs:
+                        continue
+                    try:
+                        self.generator.enqueue(entry.job)
+                        entry.enqueued = True
+                    except Exception as exc:  # e.g. a job the cache cannot hold: fail that one only
+                        self._jobs.pop(entry.job, None)
+                        entry.out.put(RuntimeError(f"ExLlamaV2 refused the job: {exc}"))
+                if not self._jobs:
+                    continue
             try:
                 results = self.generator.iterate()
             except Exception as exc:  # fail the jobs in flight, keep serving
                 log.exception("ExLlamaV2 step failed")
                 with self._cv:
                     for entry in self._jobs.values():
+                        if entry.enqueued:
+                            with contextlib.suppress(Exception):
+                                self.generator.cancel(entry.job)
                         entry.out.put(RuntimeError(f"generation failed: {exc}"))
                     self._jobs.clear()
+                    self._pending.clear()
                 continue
             for result in results:
                 self._deliver(result)

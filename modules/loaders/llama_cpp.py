@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-import math
 import os
 import queue
 import threading
@@ -26,9 +25,9 @@ import llama_cpp._logger
 import numpy as np
 from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
-from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFull
+from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
-from modules.loaders import OPTIONS
+from modules.loaders import OPTIONS, llama_cpp_lora
 from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
 from modules.loaders.llama_cpp_side import SideContext
@@ -123,6 +122,7 @@ class LlamaCppBackend(Backend):
         self._options: dict[str, Any] = {}
         self._sides: dict[str, SideContext] = {}  # "embed" and "score" contexts, created on first use
         self._loras: dict[str, tuple[Any, float]] = {}
+        self._tasks: list[llama_cpp_lora.Task] = []  # work the scheduler thread runs between steps (LoRA changes)
         self._outbox: list[tuple[TokenSink, TokenEvent | BaseException]] = []  # sink events of this step
         self._stats = {"requests": 0, "prompt_tokens": 0, "cache_hit_tokens": 0, "cache_hits": 0, "steps": 0}
 
@@ -212,6 +212,10 @@ class LlamaCppBackend(Backend):
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        for task in self._tasks:
+            task.error = ModelLoadError("the model has been unloaded")
+            task.done.set()
+        self._tasks.clear()
         for req in [s.request for s in self._slots if s.request] + list(self._waiting):
             if req is not None:
                 self._finish(req, "cancelled")
@@ -285,6 +289,8 @@ class LlamaCppBackend(Backend):
         model = self._require_model()
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(prompt_ids) >= self._n_ctx:  # the pipeline refuses this first; callers of the backend may not
+            raise ContextOverflow(len(prompt_ids), self._n_ctx)
         bad = [t for t in prompt_ids if not 0 <= t < self._n_vocab]
         if bad:
             raise InvalidRequest(
@@ -298,8 +304,7 @@ class LlamaCppBackend(Backend):
             if not self._running:
                 sampler.close()
                 raise ModelLoadError("the model has been unloaded")
-            busy = sum(1 for s in self._slots if s.request is not None)
-            if busy + len(self._waiting) >= len(self._slots) + self._max_queue:
+            if self._live_busy() + self._live_waiting() >= len(self._slots) + self._max_queue:
                 sampler.close()
                 raise QueueFull()
             self._waiting.append(req)
@@ -325,10 +330,18 @@ class LlamaCppBackend(Backend):
             with self._cv:
                 self._cv.notify_all()
 
+    def _live_busy(self) -> int:
+        """Slots held by requests that are not cancelled (a cancelled one frees its slot at the next step)."""
+        return sum(1 for s in self._slots if s.request is not None and not s.request.cancel.is_set())
+
+    def _live_waiting(self) -> int:
+        """Waiting requests that are not cancelled; cancelled ones hold no place in the queue."""
+        return sum(1 for r in self._waiting if not r.cancel.is_set())
+
     def stats(self) -> dict[str, Any]:
         with self._cv:
             busy = sum(1 for s in self._slots if s.request is not None)
-            return {**self._stats, "slots": len(self._slots), "busy_slots": busy, "queue_depth": len(self._waiting)}
+            return {**self._stats, "slots": len(self._slots), "busy_slots": busy, "queue_depth": self._live_waiting()}
 
     # ---------------------------------------------------------------- scheduler
     def _send(self, req: _Request, item: TokenEvent | BaseException) -> None:
@@ -357,12 +370,9 @@ class LlamaCppBackend(Backend):
 
     def _admit(self) -> None:
         """Move waiting requests into free slots, preferring the slot with the longest cached prefix."""
+        self._drop_cancelled_waiters()
         while self._waiting:
             req = self._waiting[0]
-            if req.cancel.is_set():
-                self._waiting.popleft()
-                self._finish(req, "cancelled")
-                continue
             free = [s for s in self._slots if s.request is None]
             if not free:
                 return
@@ -383,13 +393,33 @@ class LlamaCppBackend(Backend):
                 self._stats["cache_hits"] += 1
                 self._stats["cache_hit_tokens"] += reuse
 
+    def _drop_cancelled_waiters(self) -> None:
+        """End every cancelled request still in the queue, wherever it is (caller holds ``_cv``)."""
+        if any(r.cancel.is_set() for r in self._waiting):
+            live = collections.deque(r for r in self._waiting if not r.cancel.is_set())
+            for req in self._waiting:
+                if req.cancel.is_set():
+                    self._finish(req, "cancelled")
+            self._waiting = live
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while self._running and not self._waiting and not any(s.request for s in self._slots):
+                while (
+                    self._running and not self._tasks and not self._waiting and not any(s.request for s in self._slots)
+                ):
                     self._cv.wait()
                 if not self._running:
                     return
+                tasks, self._tasks = self._tasks, []
+            for task in tasks:  # between steps: nothing is decoding or sampling now
+                try:
+                    task.run()
+                except BaseException as exc:  # handed to the caller waiting on the task
+                    task.error = exc
+                finally:
+                    task.done.set()
+            with self._cv:
                 self._admit()
             try:
                 self._step()
@@ -471,8 +501,12 @@ class LlamaCppBackend(Backend):
             return
         req.generated += 1
         piece = self.token_piece(token, special=not req.params.skip_special_tokens)
-        if req.generated >= req.params.max_new_tokens or len(slot.tokens) + 1 >= self._n_ctx:
-            self._finish(req, "length", slot, token=token, piece=piece, logprob=logprob, top_logprobs=tops)
+        # stop when prompt + reply fill the context (as OpenAI counts); the pipeline caps max_new_tokens to the
+        # same room, so "context" only shows when a caller asks the backend itself for more than fits
+        full = len(slot.tokens) + 1 >= self._n_ctx
+        if req.generated >= req.params.max_new_tokens or full:
+            reason = "length" if req.generated >= req.params.max_new_tokens else "context"
+            self._finish(req, reason, slot, token=token, piece=piece, logprob=logprob, top_logprobs=tops)
             return
         self._send(req, TokenEvent(token_id=token, piece=piece, logprob=logprob, top_logprobs=tops))
         req.next_token = token
@@ -481,8 +515,16 @@ class LlamaCppBackend(Backend):
     def embed(self, texts: list[str]) -> list[list[float]]:
         """Mean-pooled, L2-normalised embeddings from a second context in embeddings mode."""
         token_lists = [self.encode(t) for t in texts]
-        if any(not t for t in token_lists):
-            raise InvalidRequest("cannot embed an empty string", param="input")
+        for i, tokens in enumerate(token_lists):
+            if not tokens:
+                raise InvalidRequest(f"input[{i}] is empty; cannot embed an empty string", param="input")
+            if len(tokens) > self._n_ctx:
+                raise InvalidRequest(
+                    f"input[{i}] has {len(tokens)} tokens; this model embeds at most {self._n_ctx} "
+                    "(its context). Shorten or split the input.",
+                    param="input",
+                    code="context_length_exceeded",
+                )
         return self._side(embeddings=True).embed(token_lists)
 
     def _side(self, embeddings: bool) -> SideContext:
@@ -528,46 +570,24 @@ class LlamaCppBackend(Backend):
         row = self._log_softmax_rows(prompt_ids, {last})[last]
         return [(int(t), float(row[t])) for t in np.argsort(-row)[:top]]
 
-    def _apply_loras(self) -> None:
-        assert self._ctx is not None
-        items = list(self._loras.values())
-        adapters = (llama_cpp.llama_adapter_lora_p_ctypes * len(items))(*[a for a, _ in items]) if items else None
-        scales = (ctypes.c_float * len(items))(*[s for _, s in items]) if items else None
-        for side in self._sides.values():
-            side.set_adapters(items)
-        with self._decode_lock:
-            llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, len(items), scales)
-            for slot in self._slots:  # cached prefixes were computed with other weights
-                self._ctx.kv_cache_seq_rm(slot.seq_id, 0, -1)
-                slot.tokens.clear()
+    def set_loras(self, adapters: list[tuple[Path, float]]) -> None:
+        """Replace every adapter with these at once; refused while generations run, and then nothing changes."""
+        llama_cpp_lora.set_adapters(self, adapters)
 
     def load_lora(self, path: Path, scale: float = 1.0) -> None:
-        """Apply a GGUF LoRA adapter on top of the loaded model."""
-        model = self._require_model()
-        if path.is_dir():
-            ggufs = sorted(path.glob("*.gguf"))
-            if not ggufs:
-                raise NotSupported(f"{path.name} holds no GGUF adapter; llama.cpp needs LoRA adapters in GGUF form")
-            path = ggufs[0]
-        if not math.isfinite(scale):
-            raise InvalidRequest("LoRA scale must be a finite number", param="scale")
-        if any(s.request for s in self._slots) or self._waiting:
-            raise InvalidRequest("cannot change LoRA adapters while generations are running")
-        adapter = llama_cpp.llama_adapter_lora_init(model.model, str(path).encode("utf-8"))
-        if not adapter:
-            raise ModelLoadError(f"{path.name} is not a LoRA adapter for this model")
-        if str(path) in self._loras:
-            llama_cpp.llama_adapter_lora_free(self._loras[str(path)][0])
-        self._loras[str(path)] = (adapter, scale)
-        self._apply_loras()
+        """Apply a GGUF LoRA adapter on top of the ones applied (refused while generations run)."""
+        path = llama_cpp_lora.adapter_file(path, scale)
+        kept = [(Path(k), s) for k, (_, s) in self._loras.items() if Path(k) != path]
+        self.set_loras([*kept, (path, scale)])
 
     def unload_lora(self, path: Path | None = None) -> None:
-        """Remove one adapter (or all)."""
-        keys = (
-            list(self._loras) if path is None else [k for k in self._loras if Path(k) == path or Path(k).parent == path]
-        )
-        removed = [self._loras.pop(key)[0] for key in keys]
-        if self._ctx is not None:
-            self._apply_loras()
-        for adapter in removed:
-            llama_cpp.llama_adapter_lora_free(adapter)
+        """Remove one adapter (or all); refused while generations run."""
+        if self._ctx is None:
+            return
+        kept = [
+            (Path(k), s)
+            for k, (_, s) in self._loras.items()
+            if path is not None and path not in (Path(k), Path(k).parent)
+        ]
+        if len(kept) != len(self._loras):
+            self.set_loras(kept)

@@ -186,7 +186,7 @@ class RequestSampler:
         size, selected = int(array.size), int(array.selected)
         if not 0 <= selected < size:
             raise RuntimeError("the sampler chain selected no token")
-        kept = cand[:size]
+        kept = _surviving(cand, array.data, size)
         token = int(kept["id"][selected])
         llama_cpp.llama_sampler_accept(self.chain, token)
         if self.grammar is not None:
@@ -217,6 +217,22 @@ class RequestSampler:
                 llama_cpp.llama_sampler_free(sampler)
                 setattr(self, name, None)
         self._keep.clear()
+
+
+def _surviving(cand: np.ndarray, data: Any, size: int) -> np.ndarray:
+    """The candidates the chain left: ``size`` entries from where ``data`` now points.
+
+    Samplers may move the array's start (XTC drops the top choices by advancing ``data``), so the survivors
+    are not always at the start of ``cand``.
+    """
+    address = ctypes.cast(data, ctypes.c_void_p).value or 0
+    base, item = cand.ctypes.data, cand.dtype.itemsize
+    offset, rest = divmod(address - base, item)
+    if rest == 0 and offset >= 0 and offset + size <= len(cand):
+        return cand[offset : offset + size]
+    # a sampler pointed into a buffer of its own: copy from there
+    raw = (ctypes.c_char * (size * item)).from_address(address)
+    return np.frombuffer(bytes(raw), dtype=_TOKEN_DATA).copy()
 
 
 def top_logprobs(pairs: list[tuple[int, float]] | None, piece: Any) -> list[TopLogprob] | None:

@@ -11,6 +11,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
+from modules.errors import InvalidRequest
+
 
 class SideContext:
     """A lazily created context with its own lock; LoRA adapters follow the main context's."""
@@ -70,10 +72,14 @@ class SideContext:
             batch = LlamaBatch(n_tokens=self.n_ctx, embd=0, n_seq_max=1, verbose=False)
             vectors = []
             try:
-                for tokens in token_lists:
+                for i, tokens in enumerate(token_lists):
+                    if len(tokens) > self.n_ctx:  # never cut silently
+                        raise InvalidRequest(
+                            f"input[{i}] has {len(tokens)} tokens; at most {self.n_ctx} fit", param="input"
+                        )
                     ctx.kv_cache_clear()
                     batch.reset()
-                    batch.add_sequence(tokens[: self.n_ctx], 0, logits_all=True)
+                    batch.add_sequence(tokens, 0, logits_all=True)
                     if llama_cpp.llama_decode(ctx.ctx, batch.batch) != 0:
                         raise RuntimeError("llama_decode failed while embedding")
                     pointer = llama_cpp.llama_get_embeddings_seq(ctx.ctx, 0)

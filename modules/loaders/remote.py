@@ -8,10 +8,12 @@ counts are estimated at four characters per token. Closing the stream (Stop, a c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import httpx
 from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFull
 from modules.generation.params import GenerationParams
 from modules.loaders import OPTIONS
-from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TopLogprob
+from modules.loaders.base import Backend, ModelMetadata, QueuePlace, TokenEvent, TopLogprob
 
 log = logging.getLogger(__name__)
 # textgen's and text-generation-webui's sampler names; vLLM and llama-server understand the common ones.
@@ -49,7 +51,7 @@ class RemoteBackend(Backend):
         self._context = 4096
         self._tokenizer: str | None = None  # "textgen" | "llama-server" | "vllm" | None
         self._slots = threading.Semaphore(1)
-        self._waiting = 0
+        self._waiting = 0  # streams in flight, running or queued; guarded by _lock
         self._max_queue = 64
         self._lock = threading.Lock()
 
@@ -213,15 +215,21 @@ class RemoteBackend(Backend):
     ) -> Iterator[TokenEvent]:
         """Queue, then stream the engine's completion as token events."""
         self._require()
+        body = self._body(prompt_ids, params, extra or {})
         with self._lock:
             if self._waiting >= self._max_queue + self.max_parallel:
                 raise QueueFull()
             self._waiting += 1
-        return self._stream(self._body(prompt_ids, params, extra or {}), cancel)
+        place = QueuePlace(self._leave)
+        return place.guard(self._stream(body, cancel, place))
 
-    def _stream(self, body: dict[str, Any], cancel: threading.Event) -> Iterator[TokenEvent]:
-        client = self._require()
+    def _leave(self) -> None:
+        with self._lock:
+            self._waiting -= 1
+
+    def _stream(self, body: dict[str, Any], cancel: threading.Event, place: QueuePlace) -> Iterator[TokenEvent]:
         try:
+            client = self._require()
             while not self._slots.acquire(timeout=0.2):
                 if cancel.is_set():
                     yield TokenEvent(-1, b"", finish_reason="cancelled")
@@ -231,8 +239,7 @@ class RemoteBackend(Backend):
             finally:
                 self._slots.release()
         finally:
-            with self._lock:
-                self._waiting -= 1
+            place.release()
 
     def _events(self, client: httpx.Client, body: dict[str, Any], cancel: threading.Event) -> Iterator[TokenEvent]:
         with client.stream("POST", "/v1/completions", json=body) as response:
@@ -246,29 +253,77 @@ class RemoteBackend(Backend):
                     raise InvalidRequest(f"the remote engine refused the request: {message}")
                 raise RuntimeError(f"the remote engine answered {response.status_code}: {message}")
             finish = "stop"
-            for line in response.iter_lines():
-                if cancel.is_set():
-                    yield TokenEvent(-1, b"", finish_reason="cancelled")
-                    return  # leaving the block closes the connection: the engine stops
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"the remote engine failed: {chunk['error']}")
-                choices = chunk.get("choices") or []
-                if not choices:
-                    continue
-                choice = choices[0]
-                text = choice.get("text") or ""
-                if text:
-                    logprob, tops = _logprobs(choice.get("logprobs"))
-                    yield TokenEvent(0, text.encode("utf-8"), logprob=logprob, top_logprobs=tops)
-                if choice.get("finish_reason"):
-                    finish = "length" if choice["finish_reason"] == "length" else "stop"
+            watcher = _HangUpOnCancel(response, cancel)
+            try:
+                for line in response.iter_lines():
+                    if cancel.is_set():
+                        break
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        finish = yield from self._chunk(line, finish)
+            except httpx.HTTPError:
+                if not cancel.is_set():
+                    raise
+            finally:
+                watcher.stop()
+            if cancel.is_set():
+                yield TokenEvent(-1, b"", finish_reason="cancelled")
+                return  # leaving the block closes the connection: the engine stops
             yield TokenEvent(-1, b"", finish_reason=finish)
+
+    @staticmethod
+    def _chunk(line: str, finish: str) -> Generator[TokenEvent, None, str]:
+        """The token event of one ``data:`` line; returns the finish reason so far."""
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"the remote engine failed: {chunk['error']}")
+        choices = chunk.get("choices") or []
+        if not choices:
+            return finish
+        choice = choices[0]
+        text = choice.get("text") or ""
+        if text:
+            logprob, tops = _logprobs(choice.get("logprobs"))
+            yield TokenEvent(0, text.encode("utf-8"), logprob=logprob, top_logprobs=tops)
+        if choice.get("finish_reason"):
+            return "length" if choice["finish_reason"] == "length" else "stop"
+        return finish
 
     def stats(self) -> dict[str, Any]:
         return {"slots": self.max_parallel, "queue_depth": max(0, self._waiting - self.max_parallel)}
+
+
+class _HangUpOnCancel:
+    """Cut a streaming response's connection as soon as ``cancel`` is set, so Stop works while the engine is
+    silent (a long prefill) and not only when the next line arrives.
+
+    Closing the response from another thread does not wake a read blocked on its socket; shutting the socket
+    down does: the read fails at once and the engine sees the client gone.
+    """
+
+    def __init__(self, response: httpx.Response, cancel: threading.Event) -> None:
+        self.response, self.cancel = response, cancel
+        self._done = False
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, name="remote-cancel", daemon=True).start()
+
+    def stop(self) -> None:
+        """The stream is over: never touch its connection again (it may go back to the pool)."""
+        with self._lock:
+            self._done = True
+
+    def _watch(self) -> None:
+        while not self._done:
+            if not self.cancel.wait(0.05):
+                continue
+            with self._lock:
+                if self._done:
+                    return
+                stream = self.response.extensions.get("network_stream")
+                sock = stream.get_extra_info("socket") if stream is not None else None
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+            return
 
 
 def _logprobs(data: Any) -> tuple[float | None, list[TopLogprob] | None]:

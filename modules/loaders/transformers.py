@@ -20,7 +20,7 @@ from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFu
 from modules.generation import sampling
 from modules.generation.params import GenerationParams
 from modules.loaders import OPTIONS
-from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TopLogprob
+from modules.loaders.base import Backend, ModelMetadata, QueuePlace, TokenEvent, TopLogprob
 from modules.loaders.transformers_support import GrammarFactory, LoraStack, load_model_objects
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ class TransformersBackend(Backend):
         self._eos: list[int] = []
         self._device: Any = "cpu"
         self._lock = threading.Lock()  # one generation at a time
-        self._waiting = 0
+        self._waiting = 0  # generations queued for the lock; guarded by _count_lock
+        self._count_lock = threading.Lock()
         self._max_queue = 64
         self._grammars: GrammarFactory | None = None
         self._loras: LoraStack | None = None
@@ -175,10 +176,18 @@ class TransformersBackend(Backend):
             raise InvalidRequest("the prompt is empty", param="prompt")
         assert self._grammars is not None
         matcher = self._grammars.matcher(params)  # an invalid grammar is refused here, before streaming
-        if self._lock.locked() and self._waiting >= self._max_queue:
-            raise QueueFull()
-        self._waiting += 1
-        return self._run(prompt_ids, params, cancel, matcher, (extra or {}).get("model_inputs") or {})
+        with self._count_lock:
+            if self._lock.locked() and self._waiting >= self._max_queue:
+                raise QueueFull()
+            self._waiting += 1
+        place = QueuePlace(self._leave_queue)
+        return place.guard(
+            self._run(prompt_ids, params, cancel, matcher, (extra or {}).get("model_inputs") or {}, place)
+        )
+
+    def _leave_queue(self) -> None:
+        with self._count_lock:
+            self._waiting -= 1
 
     def _run(
         self,
@@ -187,6 +196,7 @@ class TransformersBackend(Backend):
         cancel: threading.Event,
         matcher: Any,
         model_inputs: dict[str, Any],
+        place: QueuePlace,
     ) -> Iterator[TokenEvent]:
         import torch
 
@@ -197,7 +207,7 @@ class TransformersBackend(Backend):
                     yield TokenEvent(-1, b"", finish_reason="cancelled")
                     return
         finally:
-            self._waiting -= 1
+            place.release()
         try:
             yield from self._loop(prompt_ids, params, cancel, matcher, model_inputs, torch)
         finally:
@@ -283,7 +293,8 @@ class TransformersBackend(Backend):
 
     def stats(self) -> dict[str, Any]:
         busy = 1 if self._lock.locked() else 0
-        return {"slots": 1, "busy_slots": busy, "queue_depth": self._waiting}
+        with self._count_lock:
+            return {"slots": 1, "busy_slots": busy, "queue_depth": self._waiting}
 
     # ---------------------------------------------------------------- scoring
     def _log_softmax_rows(self, prompt_ids: list[int]) -> Any:
@@ -332,3 +343,9 @@ class TransformersBackend(Backend):
         assert self._loras is not None
         with self._lock:
             self._loras.remove(path)
+
+    def set_loras(self, adapters: list[tuple[Path, float]]) -> None:
+        """Replace every adapter at once, between two generations; on failure the previous set is restored."""
+        assert self._loras is not None
+        with self._lock:
+            self._loras.replace(adapters)

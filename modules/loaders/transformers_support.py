@@ -59,7 +59,8 @@ def load_model_objects(path: Path, options: dict[str, Any]) -> LoadedObjects:
     vision = getattr(config, "vision_config", None) is not None
     cuda = torch.cuda.is_available() and not options.get("cpu")
     dtype = _dtype(torch, options.get("dtype")) or ("auto" if cuda else torch.float32)
-    kwargs: dict[str, Any] = {**common, "dtype": dtype}
+    # weights_only: a pickled .bin checkpoint is read with torch.load(weights_only=True), never run as code
+    kwargs: dict[str, Any] = {**common, "dtype": dtype, "weights_only": True}
     if options.get("attn_implementation"):
         kwargs["attn_implementation"] = options["attn_implementation"]
     quantized = None
@@ -176,6 +177,7 @@ class LoraStack:
     def __init__(self, backend: TransformersBackend) -> None:
         self.backend = backend
         self.active: dict[str, str] = {}  # adapter path -> adapter name
+        self.scales: dict[str, float] = {}  # adapter path -> scale
 
     def add(self, path: Path, scale: float) -> None:
         """Load and activate an adapter (scaled by ``scale``)."""
@@ -201,6 +203,7 @@ class LoraStack:
         except (ValueError, OSError, RuntimeError, KeyError) as exc:
             raise ModelLoadError(f"{path.name} does not fit this model: {exc}") from exc
         self.active[key] = name
+        self.scales[key] = scale
         model.base_model.set_adapter(list(self.active.values()))  # type: ignore[operator]
         if scale != 1.0:
             for module in model.modules():
@@ -214,7 +217,24 @@ class LoraStack:
         model = self.backend.model
         for key in targets:
             model.delete_adapter(self.active.pop(key))
+            self.scales.pop(key, None)
         if not self.active and targets:
             self.backend.model = model.unload()
         elif targets:
             model.base_model.set_adapter(list(self.active.values()))  # type: ignore[operator]
+
+    def replace(self, adapters: list[tuple[Path, float]]) -> None:
+        """Swap the whole set for ``adapters``; when one of them fails, put the previous set back and raise."""
+        for path, _ in adapters:
+            if not (path / "adapter_config.json").is_file():
+                raise NotSupported(f"{path.name} is not a PEFT adapter (adapter_config.json is missing)")
+        previous = [(Path(key), self.scales.get(key, 1.0)) for key in self.active]
+        try:
+            self.remove(None)
+            for path, scale in adapters:
+                self.add(path, scale)
+        except BaseException:
+            self.remove(None)
+            for path, scale in previous:
+                self.add(path, scale)
+            raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -11,9 +12,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from modules import models
+from modules import models, shared
 from modules.chat.prompt import render_messages
-from modules.errors import InvalidRequest, ModelLoadError, QueueFull
+from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import generate_text, prepare
 from modules.lifecycle.gguf import read_header, write_lora_gguf
@@ -252,12 +253,19 @@ def test_gbnf_grammar_and_json_schema(with_default_model: Path) -> None:
         generate_text(ids, GenerationParams(grammar="root ::= (", max_new_tokens=5))
 
 
-def test_context_full_ends_with_length(with_default_model: Path) -> None:
+def test_context_full_ends_the_reply(with_default_model: Path) -> None:
     backend = load(n_ctx=128)
     ids = backend.encode("one two three four five six seven eight nine ten " * 20)[:100]
     assert len(ids) == 100
+    # the pipeline caps max_new_tokens to the room left: prompt + reply fill the context exactly
     _text, stats = generate_text(ids, GenerationParams(max_new_tokens=500, ban_eos=True, seed=1))
     assert stats.finish_reason == "length" and stats.new_tokens == 128 - 100
+    # asked of the backend directly, more than fits: it stops at the same place and says why
+    events = list(backend.generate(ids, GenerationParams(max_new_tokens=500, ban_eos=True, seed=1), threading.Event()))
+    assert len([e for e in events if e.token_id >= 0]) == 128 - 100
+    assert events[-1].finish_reason == "context"
+    with pytest.raises(ContextOverflow):
+        backend.generate(ids + ids[:28], GenerationParams(), threading.Event())  # no room for a reply
 
 
 def test_embeddings_mode(with_default_model: Path) -> None:
@@ -267,6 +275,9 @@ def test_embeddings_mode(with_default_model: Path) -> None:
     assert all(abs(n - 1) < 1e-5 for n in norms) and len(vectors[0]) == 576
     sims = np.array(vectors) @ np.array(vectors).T
     assert sims[0, 1] > sims[0, 2]
+    with pytest.raises(InvalidRequest, match=r"input\[1\] has \d+ tokens") as refused:
+        backend.embed(["short", "word " * (backend.context_length + 10)])  # never cut silently
+    assert refused.value.param == "input"
 
 
 def make_lora(path: Path, scale: float = 4.0) -> Path:
@@ -301,3 +312,82 @@ def test_gguf_lora_changes_the_output_and_unloads(with_default_model: Path, tmp_
     with pytest.raises(ModelLoadError):
         backend.load_lora(bogus)
     assert token_ids(backend, ids, params) == base
+
+
+def test_xtc_with_logprobs_returns_the_token_xtc_left(with_default_model: Path) -> None:
+    backend = load()
+    ids = chat_ids(backend, "What is the capital of France?")
+    raw = backend.next_token_logprobs(ids, 10)  # the model's own next-token distribution
+    probs = [math.exp(lp) for _, lp in raw]
+    threshold = (probs[1] + probs[2]) / 2  # exactly the two most likely tokens reach it
+    params = GenerationParams(
+        temperature=1.0,
+        xtc_probability=1.0,
+        xtc_threshold=threshold,
+        max_new_tokens=1,
+        seed=3,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    event = next(e for e in backend.generate(ids, params, threading.Event()) if e.token_id >= 0)
+    tops = event.top_logprobs or []
+    # XTC removed the most likely token and kept the second (the least likely above the threshold)
+    assert raw[0][0] not in {t.token_id for t in tops} and event.token_id != raw[0][0]
+    assert tops[0].token_id == raw[1][0]
+    assert tops[0].logprob == pytest.approx(math.log(probs[1] / (1 - probs[0])), abs=1e-3)
+    chosen = next(t for t in tops if t.token_id == event.token_id)
+    assert chosen.logprob == pytest.approx(event.logprob)
+
+
+def test_cancelled_waiters_give_their_places_back(with_default_model: Path) -> None:
+    backend = load(parallel=1, max_queue=3)
+    ids = chat_ids(backend, "Tell me a story.")
+    params = GenerationParams(max_new_tokens=500, ban_eos=True)
+    cancels = [threading.Event() for _ in range(6)]
+    running = backend.generate(ids, params, cancels[0])
+    next(running)  # holds the only slot
+    waiting = backend.generate(ids, params, cancels[1])  # first in the queue, still wanted
+    gone = [backend.generate(ids, params, cancels[i]) for i in (2, 3)]
+    cancels[2].set()
+    cancels[3].set()  # these two clients left while queued behind a live request
+    more = [backend.generate(ids, params, cancels[i]) for i in (4, 5)]  # would be 503s if the cancelled held places
+    with pytest.raises(QueueFull):
+        backend.generate(ids, params, threading.Event())  # the queue is full of live requests now
+    assert [[e.finish_reason for e in stream] for stream in gone] == [["cancelled"], ["cancelled"]]
+    assert backend.stats()["queue_depth"] == 3
+    for cancel in cancels:
+        cancel.set()
+    for stream in [running, waiting, *more]:
+        assert [e.finish_reason for e in stream if e.finish_reason] == ["cancelled"]
+    deadline = time.monotonic() + 5
+    while backend.stats()["busy_slots"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.stats()["busy_slots"] == 0 and backend.stats()["queue_depth"] == 0
+
+
+def test_lora_changes_are_refused_while_generating_and_change_nothing(with_default_model: Path, tmp_path: Path) -> None:
+    backend = load(parallel=2, prompt_cache=False)
+    shared.settings.lora_dir = tmp_path / "loras"
+    shared.loras_dir().mkdir()
+    make_lora(shared.loras_dir() / "random-lora.gguf")
+    ids = chat_ids(backend, "What is the capital of France?")
+    params = GenerationParams(temperature=0, max_new_tokens=12)
+    base = token_ids(backend, ids, params)
+    models.apply_loras(["random-lora.gguf"])
+    with_lora = token_ids(backend, ids, params)
+    assert with_lora != base
+    long = GenerationParams(temperature=0, max_new_tokens=40, ban_eos=True)
+    alone = token_ids(backend, ids, long)
+    running = backend.generate(ids, long, threading.Event())
+    first = [next(running).token_id for _ in range(3)]
+    with pytest.raises(InvalidRequest, match="while 1 generation is running"):
+        models.apply_loras([])  # would have taken the adapter away under the running stream
+    with pytest.raises(InvalidRequest):
+        backend.load_lora(shared.loras_dir() / "random-lora.gguf", 0.5)
+    with pytest.raises(InvalidRequest):
+        backend.unload_lora(None)
+    assert first + [e.token_id for e in running if e.token_id >= 0] == alone  # it never saw a change
+    assert shared.loras == ["random-lora.gguf"]
+    assert token_ids(backend, ids, params) == with_lora  # the adapter is still applied, all of it
+    models.apply_loras([])
+    assert token_ids(backend, ids, params) == base and shared.loras == []

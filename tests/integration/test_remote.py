@@ -113,3 +113,110 @@ def test_textgen_in_front_of_an_engine(engine_server, live_server_factory, tmp_p
     )
     assert streamed == reply.choices[0].message.content
     assert "Loaded" in front.log() and "with remote" in front.log()
+
+
+class SilentEngine:
+    """A stand-in OpenAI-compatible engine that answers the headers of a completion, then stays silent (a long
+    prefill) until released; it records whether the client hung up."""
+
+    def __init__(self) -> None:
+        import http.server
+        import json as json_module
+
+        self.release = threading.Event()
+        self.hung_up = threading.Event()
+        engine = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _json(self, status: int, body: object) -> None:
+                data = json_module.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._json(200, {"data": [{"id": "silent"}]} if self.path == "/v1/models" else {})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path != "/v1/completions":
+                    self._json(404, {"error": {"message": "no such endpoint"}})
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.flush()
+                engine.release.wait(10)
+                try:
+                    line = b'data: {"choices": [{"text": "late", "finish_reason": "stop"}]}\n\n'
+                    self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(line), line))
+                    self.wfile.flush()
+                except OSError:
+                    engine.hung_up.set()
+                    return
+                if self.rfile.read(1) == b"":  # the client closed its side
+                    engine.hung_up.set()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def silent_engine():  # type: ignore[no-untyped-def]
+    engine = SilentEngine()
+    yield engine
+    engine.close()
+
+
+def test_stop_works_while_the_engine_is_silent(silent_engine: SilentEngine) -> None:
+    from modules.loaders.remote import RemoteBackend
+
+    backend = RemoteBackend.load(Path("silent"), {"remote_url": silent_engine.url})
+    try:
+        cancel = threading.Event()
+        events = backend.generate([1, 2, 3], GenerationParams(max_new_tokens=5), cancel, {"prompt_text": "Hi"})
+        threading.Timer(0.3, cancel.set).start()
+        started = time.monotonic()
+        reasons = [e.finish_reason for e in events]
+        elapsed = time.monotonic() - started
+        assert reasons == ["cancelled"]
+        assert elapsed < 1.0, f"Stop took {elapsed:.2f} s while the engine was silent"
+        assert backend.stats()["queue_depth"] == 0
+        silent_engine.release.set()
+        assert silent_engine.hung_up.wait(5), "the engine never saw the client go"
+    finally:
+        backend.unload()
+
+
+def test_a_stream_never_started_gives_its_place_back(silent_engine: SilentEngine) -> None:
+    import gc
+
+    from modules.errors import QueueFull
+    from modules.loaders.remote import RemoteBackend
+
+    backend = RemoteBackend.load(Path("silent"), {"remote_url": silent_engine.url, "parallel": 1, "max_queue": 0})
+    try:
+        params = GenerationParams(max_new_tokens=5)
+        unstarted = backend.generate([1], params, threading.Event(), {"prompt_text": "Hi"})
+        with pytest.raises(QueueFull):
+            backend.generate([1], params, threading.Event(), {"prompt_text": "Hi"})
+        del unstarted  # a client gone before its stream began
+        gc.collect()
+        backend.generate([1], params, threading.Event(), {"prompt_text": "Hi"})  # not QueueFull
+    finally:
+        backend.unload()

@@ -124,6 +124,27 @@ def test_queue_full(tiny: Path) -> None:
     list(running)
 
 
+def test_a_stream_never_started_gives_its_place_back(tiny: Path) -> None:
+    import gc
+
+    backend = models.load_model("tiny-llama", {"max_queue": 1})
+    ids = backend.encode("Hello")
+    running = backend.generate(ids, GenerationParams(max_new_tokens=200, ban_eos=True), cancel := threading.Event())
+    next(running)  # holds the model
+    unstarted = backend.generate(ids, GenerationParams(max_new_tokens=2), threading.Event())
+    assert backend.stats()["queue_depth"] == 1
+    with pytest.raises(QueueFull):
+        backend.generate(ids, GenerationParams(max_new_tokens=2), threading.Event())
+    del unstarted  # its client went away before reading anything
+    gc.collect()
+    assert backend.stats()["queue_depth"] == 0
+    waiting = backend.generate(ids, GenerationParams(max_new_tokens=2), threading.Event())  # not QueueFull
+    cancel.set()
+    list(running)
+    assert [e.finish_reason for e in waiting][-1] == "length"
+    assert backend.stats()["queue_depth"] == 0
+
+
 @pytest.mark.parametrize("flag", ["load_in_4bit", "load_in_8bit"])
 def test_bitsandbytes_on_the_cpu(tiny: Path, flag: str) -> None:
     options = {flag: True, "compute_dtype": "float32", "quant_type": "nf4", "use_double_quant": True}
@@ -200,14 +221,18 @@ def test_bin_weights_load_safely_and_remote_code_is_off(tiny: Path) -> None:
     evil = tiny / "evil-bin"
     shutil.copytree(tiny / "tiny-llama-bin", evil, dirs_exist_ok=True)
 
+    marker = tiny / "evil-bin-ran"
+    marker.unlink(missing_ok=True)
+
     class Exploit:
         def __reduce__(self):  # type: ignore[no-untyped-def]
-            return (print, ("this must never run",))
+            return (open, (str(marker), "w"))  # unpickling this creates the marker file
 
     with open(evil / "pytorch_model.bin", "wb") as handle:
         pickle.dump(Exploit(), handle)
     with pytest.raises(ModelLoadError):
         models.load_model("evil-bin")
+    assert not marker.exists(), "loading the .bin ran code from its pickle"
     remote = tiny / "needs-remote-code"
     shutil.copytree(tiny / "tiny-llama", remote, dirs_exist_ok=True)
     config = json.loads((remote / "config.json").read_text())

@@ -69,10 +69,16 @@ def test_dry_penalises_the_token_that_extends_a_repeat() -> None:
 
 def test_temperature_and_dynamic_temperature() -> None:
     assert sampling.Temperature(2.0)(IDS, logits(2.0, 4.0))[0].tolist() == [1.0, 2.0]
-    flat = sampling.DynamicTemperature(1.0, 0.5, 1.0)(IDS, logits(0.0, 0.0))  # maximal entropy: t + range
-    assert flat[0].tolist() == [0.0, 0.0]
+    flat = sampling.DynamicTemperature(1.0, 0.5, 1.0)(IDS, logits(2.0, 2.0))  # maximal entropy: t + range = 1.5
+    assert flat[0].tolist() == pytest.approx([2.0 / 1.5, 2.0 / 1.5])
+    # low entropy: temperature 0.5 + 1.0 * (entropy / ln 3), a little above t - range
+    p_top = math.exp(10) / (math.exp(10) + 2)
+    p_low = 1 / (math.exp(10) + 2)
+    entropy = -(p_top * math.log(p_top) + 2 * p_low * math.log(p_low))
+    temperature = 0.5 + 1.0 * entropy / math.log(3)
     peaked = sampling.DynamicTemperature(1.0, 0.5, 1.0)(IDS, logits(10.0, 0.0, 0.0))
-    assert float(peaked[0, 0]) > 10.0  # low entropy: temperature near t - range = 0.5
+    assert peaked[0].tolist() == pytest.approx([10.0 / temperature, 0.0, 0.0], rel=1e-5)
+    assert 0.5 < temperature < 0.51
 
 
 def test_top_k_top_p_min_p() -> None:
@@ -108,13 +114,29 @@ def test_xtc_removes_all_top_choices_but_the_least_likely() -> None:
     assert kept(never(IDS, probs_of(0.5, 0.3, 0.15, 0.05))) == [0, 1, 2, 3]
 
 
-def test_mirostat_v2_adapts_and_leaves_one_token() -> None:
-    mirostat = sampling.Mirostat(2, tau=3.0, eta=0.5, generator=torch.Generator().manual_seed(3))
-    start = mirostat.mu
-    out = mirostat(IDS, probs_of(0.5, 0.25, 0.15, 0.1))
-    assert len(kept(out)) == 1 and mirostat.mu != start
-    v1 = sampling.Mirostat(1, tau=3.0, eta=0.1, generator=torch.Generator().manual_seed(3))
-    assert len(kept(v1(IDS, probs_of(*[1 / 200] * 200)))) == 1
+def test_mirostat_v2_truncates_by_surprise_and_adapts_mu() -> None:
+    probs = [0.5, 0.25, 0.15, 0.1]
+    mirostat = sampling.Mirostat(2, tau=1.5, eta=0.5, generator=torch.Generator().manual_seed(3))
+    out = mirostat(IDS, probs_of(*probs))
+    # mu starts at 2 * tau = 3 bits: surprises 1, 2, 2.74 pass, 3.32 (p = 0.1) does not
+    assert mirostat.k == 3 and len(kept(out)) == 1 and kept(out)[0] < 3
+    chosen = probs[kept(out)[0]] / sum(probs[:3])  # the surprise observed among the kept tokens
+    assert mirostat.mu == pytest.approx(3.0 - 0.5 * (-math.log2(chosen) - 1.5), rel=1e-5)
+
+
+def test_mirostat_v1_estimates_the_zipf_exponent_to_pick_k() -> None:
+    n, exponent = 200, 1.5
+    zipf = [(i + 1) ** -exponent for i in range(n)]
+    total = sum(zipf)
+    mirostat = sampling.Mirostat(1, tau=3.0, eta=0.1, generator=torch.Generator().manual_seed(3))
+    out = mirostat(IDS, probs_of(*[z / total for z in zipf]))
+    # s_hat = 1.5 exactly for a Zipf law, so epsilon = 0.5 and k = (epsilon * 2^mu / (1 - n^-epsilon))^(1 / s_hat)
+    epsilon, mu = exponent - 1, 6.0
+    k = int((epsilon * 2**mu / (1 - n**-epsilon)) ** (1 / exponent))
+    assert k == 10 and mirostat.k == k
+    assert len(kept(out)) == 1 and kept(out)[0] < k
+    chosen = zipf[kept(out)[0]] / sum(zipf[:k])
+    assert mirostat.mu == pytest.approx(mu - 0.1 * (-math.log2(chosen) - 3.0), rel=1e-5)
 
 
 def test_chain_order_and_greedy() -> None:
