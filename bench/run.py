@@ -76,6 +76,19 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 f"{r['ratio_median']:.2f}",
                 "<= 2",
             ),
+            *(
+                [
+                    (
+                        "UI: same, all 500 messages shown",
+                        f"{r['long_show_all']['median_ms']:.0f} ms (500 shown)",
+                        f"{short['median_ms']:.0f} ms (10 messages)",
+                        f"{r['ratio_show_all']:.2f}",
+                        "none (for the record)",
+                    )
+                ]
+                if "long_show_all" in r
+                else []
+            ),
         ]
     if name == "transformers":
         return [

@@ -77,8 +77,11 @@ def conversation(n: int) -> dict[str, Any]:
     }
 
 
-def measure(n_messages: int, tokens: int = 64) -> dict[str, float]:
-    """Open a chat holding ``n_messages``, send one more, and time arrival-to-paint of every streamed update."""
+def measure(n_messages: int, tokens: int = 64, show_all: bool = False) -> dict[str, Any]:
+    """Open a chat holding ``n_messages``, send one more, and time arrival-to-paint of every streamed update.
+
+    ``show_all`` ticks "Show every message", so that the whole history is on the page instead of the newest ones.
+    """
     from playwright.sync_api import sync_playwright
 
     user_data = Path(tempfile.mkdtemp(prefix="ui-bench-"))
@@ -105,6 +108,12 @@ def measure(n_messages: int, tokens: int = 64) -> dict[str, float]:
             f"() => document.querySelectorAll('#chatbot [data-testid=bot]').length >= {min(n_messages, WINDOW) // 2}",
             timeout=120_000,
         )
+        if show_all:
+            page.locator("#show-all input").check()
+            page.wait_for_function(
+                f"() => document.querySelectorAll('#chatbot [data-testid=bot]').length >= {n_messages // 2}",
+                timeout=120_000,
+            )
         page.wait_for_timeout(1000)
         page.evaluate("window.__watch()")
         page.get_by_role("tab", name="Parameters").click()
@@ -132,6 +141,7 @@ def measure(n_messages: int, tokens: int = 64) -> dict[str, float]:
         raise RuntimeError("no streamed update was painted")
     return {
         "messages": n_messages,
+        "show_all": show_all,
         "updates": len(arrivals),
         "median_ms": statistics.median(latencies),
         "p95_ms": percentile(latencies, 0.95),
@@ -143,7 +153,15 @@ def run() -> dict[str, Any]:
     """Both measurements and their ratio."""
     short = measure(10)
     long = measure(500)
-    return {"short": short, "long": long, "ratio_median": long["median_ms"] / short["median_ms"], "target": "<= 2.0"}
+    every = measure(500, show_all=True)  # for the record: the cost of showing all 500 (no target)
+    return {
+        "short": short,
+        "long": long,
+        "long_show_all": every,
+        "ratio_median": long["median_ms"] / short["median_ms"],
+        "ratio_show_all": every["median_ms"] / short["median_ms"],
+        "target": "<= 2.0",
+    }
 
 
 def main() -> int:
@@ -154,10 +172,12 @@ def main() -> int:
     print(f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, Debian chromium headless.")
     print("| history | updates | median arrival-to-paint | p95 |")
     print("|---|---|---|---|")
-    for row in (short, long):
-        print(f"| {row['messages']} messages | {row['updates']} | {row['median_ms']:.1f} ms | {row['p95_ms']:.1f} ms |")
+    for row in (short, long, result["long_show_all"]):
+        label = f"{row['messages']} messages" + (", all shown" if row.get("show_all") else "")
+        print(f"| {label} | {row['updates']} | {row['median_ms']:.1f} ms | {row['p95_ms']:.1f} ms |")
     print(f"ratio (500 / 10, medians): {ratio:.2f} (target <= 2.0)")
-    return 0
+    print(f"ratio with all 500 shown: {result['ratio_show_all']:.2f} (no target: the window is what keeps it fast)")
+    return 0 if ratio <= 2.0 else 1
 
 
 if __name__ == "__main__":
