@@ -228,11 +228,15 @@ class TransformersBackend(Backend):
         model = self._require()
         generator = torch.Generator("cpu").manual_seed(params.resolved_seed())
         processors: list[Any] = []
-        if extensions.implementers("logits_processor_modifier"):
-            for ext in extensions.implementers("logits_processor_modifier"):
-                extensions.call(
-                    ext, "logits_processor_modifier", processor_list=processors, input_ids=torch.tensor([prompt_ids])
-                )
+        for ext in extensions.implementers("logits_processor_modifier"):
+            before = len(processors)
+            extensions.call(
+                ext, "logits_processor_modifier", processor_list=processors, input_ids=torch.tensor([prompt_ids])
+            )
+            # a processor that raises switches its extension off and ends this reply with a clear error
+            processors[before:] = [
+                extensions.guard_callable(ext, "logits_processor_modifier", p) for p in processors[before:]
+            ]
         chain = sampling.build_chain(
             params,
             vocab=int(self.metadata.extra["n_vocab"]),

@@ -15,7 +15,7 @@ from PIL import Image
 
 from modules import extensions, models, shared
 from modules.chat.prompt import render_messages
-from modules.errors import InvalidRequest, ModelLoadError, QueueFull
+from modules.errors import ExtensionFailed, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import generate_reply, generate_text, prepare
 from modules.settings import load_settings
@@ -213,6 +213,19 @@ def test_extension_logits_processors_apply(tiny: Path, user_data: Path) -> None:
     forced = GenerationParams(temperature=0, max_new_tokens=3, logit_bias={banned: 50})
     assert next(e.token_id for e in backend.generate(ids, forced, threading.Event()) if e.token_id >= 0) == banned
     extensions.load_extensions(["ban"])
+    assert banned not in [e.token_id for e in backend.generate(ids, forced, threading.Event()) if e.token_id >= 0]
+    broken = user_data / "extensions" / "broken_processor"
+    broken.mkdir(parents=True)
+    (broken / "script.py").write_text(
+        "def logits_processor_modifier(processor_list, input_ids):\n"
+        "    def fail(input_ids, scores):\n"
+        "        raise ValueError('processor broke')\n"
+        "    processor_list.append(fail)\n"
+    )
+    (ext,) = extensions.load_extensions(["broken_processor"])
+    with pytest.raises(ExtensionFailed, match="broken_processor"):
+        list(backend.generate(ids, forced, threading.Event()))
+    assert not ext.active and "processor broke" in (ext.error or "")
     assert banned not in [e.token_id for e in backend.generate(ids, forced, threading.Event()) if e.token_id >= 0]
 
 
