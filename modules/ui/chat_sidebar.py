@@ -184,11 +184,10 @@ def wire(chat: ChatUI, side: SidebarUI) -> tuple[Any, list[Any], list[Any]]:
         if not title.strip():
             return state, gr.skip(), "The title must not be empty."
         conv.title = title.strip()[:200]
-        if not state.get("incognito") and conv.messages:
-            store.save(conv)
+        state = persist({**state, "conv": conv.to_json()}, conv.messages, request)  # saved by the usual rule
         user, _ = user_of(request)
         return (
-            {**state, "conv": conv.to_json()},
+            state,
             gr.update(choices=_choices(user, conv.character), value=conv.id),
             "Renamed.",
         )
