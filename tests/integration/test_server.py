@@ -45,3 +45,56 @@ def test_nowebui_serves_no_ui(live_server_factory, tmp_path: Path) -> None:
     )
     assert httpx.get(server.url + "/health").json()["status"] == "no model loaded"
     assert httpx.get(server.url + "/").status_code == 404
+
+
+def test_killing_the_server_while_it_saves_a_history_leaves_the_file_whole(live_server_factory, tmp_path: Path) -> None:
+    """kill -9 the real server at the moment it writes a 4 MB history (its temp file is on disk): the history is
+    then the old version or the new one, whole, every time."""
+    import json
+    import os
+    import shutil
+    import signal
+    import threading
+    import time
+
+    from gradio_client import Client, handle_file
+
+    from tests.conftest import ROOT
+
+    user_data = tmp_path / "ud"
+    shutil.copytree(ROOT / "user_data" / "characters", user_data / "characters")
+    big = tmp_path / "big.json"
+    messages = [{"role": ("user", "assistant")[i % 2], "content": f"{i} " + "words " * 3300} for i in range(200)]
+    big.write_text(json.dumps({"id": "x", "character": "Assistant", "title": "uploaded", "messages": messages}))
+    folder = user_data / "logs" / "default" / "Assistant"
+    for attempt in range(3):
+        server = live_server_factory("--model", "none", "--user-data-dir", str(user_data), want_model=False)
+        client = Client(server.url, verbose=False)
+        outputs = client.predict(handle_file(str(big)), "Assistant", api_name="/do_upload")
+        conv_id = next(o["value"] for o in outputs if isinstance(o, dict) and "value" in o)
+        titles = {"uploaded"}
+        worker = threading.Thread(target=_rename_until_gone, args=(server, client, titles), daemon=True)
+        worker.start()
+        deadline, caught = time.monotonic() + 30, False
+        while time.monotonic() < deadline and not caught:
+            caught = any(p.name.startswith(f".{conv_id}.json.") for p in os.scandir(folder))
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        worker.join(timeout=30)
+        assert caught, f"attempt {attempt}: never saw the server writing"
+        saved = json.loads((folder / f"{conv_id}.json").read_text())  # whole JSON: never half a file
+        assert saved["title"] in titles and len(saved["messages"]) == 200
+        for other in folder.glob("*.json"):
+            json.loads(other.read_text())
+
+
+def _rename_until_gone(server, client, titles: set[str]) -> None:
+    """Rename the session's chat again and again (each rename rewrites the whole file) until the server dies."""
+    n = 0
+    while server.proc.poll() is None:
+        n += 1
+        titles.add(f"title {n}")
+        try:
+            client.predict(f"title {n}", api_name="/do_rename")
+        except Exception:
+            return
