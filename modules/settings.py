@@ -64,6 +64,11 @@ class Settings(BaseModel):
     prompt_cache: bool = Field(
         True, description="Reuse a slot's KV cache for the longest common prompt prefix (--no-prompt-cache: off)."
     )
+    amx: bool = Field(
+        False,
+        description="llama.cpp: use the engine's AMX matrix path where the build has one (Intel Sapphire Rapids and "
+        "newer). Off by default: it crashes on many such machines and VMs.",
+    )
     max_queue: int = Field(
         64, ge=0, description="Requests that may wait for a free slot; beyond that the API answers 503."
     )

@@ -92,6 +92,7 @@ class Prepared:
     custom: Iterator[str] | None = None
     state: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # prompt_text, model_inputs (images)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # names it in the log, start to end
 
 
 def make_state(params: GenerationParams, **context: Any) -> dict[str, Any]:
@@ -198,8 +199,22 @@ def custom_events(texts: Iterator[str], cancel: threading.Event) -> Iterator[Tok
     yield TokenEvent(-1, b"", finish_reason="stop")
 
 
+def log_start(prepared: Prepared, backend: Backend) -> None:
+    """One line per generation as it starts, so that a crash's log says which model and request were running."""
+    name = shared.model_name if backend is shared.model else getattr(backend.path, "name", "?")
+    log.info(
+        "Request %s: %s on %s, %d prompt tokens, up to %d new",
+        prepared.request_id,
+        "extension reply" if prepared.custom is not None else "generating",
+        f"{name} ({backend.loader_name})",
+        len(prepared.prompt_ids),
+        prepared.params.max_new_tokens,
+    )
+
+
 def launch(prepared: Prepared, backend: Backend, cancel: threading.Event) -> Iterator[TokenEvent]:
     """Start a prepared generation and return its token events."""
+    log_start(prepared, backend)
     if prepared.custom is not None:
         return custom_events(prepared.custom, cancel)
     return backend.generate(prepared.prompt_ids, prepared.params, cancel, prepared.extra)
@@ -207,6 +222,7 @@ def launch(prepared: Prepared, backend: Backend, cancel: threading.Event) -> Ite
 
 def launch_to(prepared: Prepared, backend: Backend, cancel: threading.Event, sink: TokenSink) -> None:
     """Start a prepared generation whose events go to an asyncio ``sink``."""
+    log_start(prepared, backend)
     if prepared.custom is None:
         backend.submit(prepared.prompt_ids, prepared.params, cancel, sink, prepared.extra)
         return
@@ -218,6 +234,7 @@ class DeltaBuilder:
 
     def __init__(self, prepared: Prepared) -> None:
         self.stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids), seed=prepared.params.seed)
+        self.request_id = prepared.request_id
         self.started = prepared.started
         self.utf8, self.stopper = Utf8Stream(), StopMatcher(prepared.params.stop)
         self.pending: list[tuple[TokenEvent, int, int]] = []  # token, start and end offsets in the decoded text
@@ -265,7 +282,7 @@ class DeltaBuilder:
         if self.first_token_at is not None and stats.new_tokens > 1 and now > self.first_token_at:
             stats.tokens_per_second = (stats.new_tokens - 1) / (now - self.first_token_at)
         stats.finish_reason = reason
-        log.info("Generated %s", stats.summary())
+        log.info("Request %s: generated %s", self.request_id, stats.summary())
         tokens = [t for t, _, _ in self.pending]
         self.pending.clear()
         return Delta(tail, tokens, stats)

@@ -27,6 +27,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "parallel",
         "max_queue",
         "prompt_cache",
+        "amx",
     ),
     "transformers": (
         "n_ctx",

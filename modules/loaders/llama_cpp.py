@@ -27,7 +27,7 @@ from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
 from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
-from modules.loaders import OPTIONS, llama_cpp_lora
+from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_lora
 from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
 from modules.loaders.llama_cpp_side import SideContext
@@ -124,6 +124,7 @@ class LlamaCppBackend(Backend):
         self._loras: dict[str, tuple[Any, float]] = {}
         self._tasks: list[llama_cpp_lora.Task] = []  # work the scheduler thread runs between steps (LoRA changes)
         self._outbox: list[tuple[TokenSink, TokenEvent | BaseException]] = []  # sink events of this step
+        self.extra_buffers = True  # llama.cpp's use_extra_bufts for this model (off: no AMX, no repacking)
         self._stats = {"requests": 0, "prompt_tokens": 0, "cache_hit_tokens": 0, "cache_hits": 0, "steps": 0}
 
     # ---------------------------------------------------------------- loading
@@ -138,6 +139,9 @@ class LlamaCppBackend(Backend):
         model_params.n_gpu_layers = int(options.get("n_gpu_layers") or 0)
         if model_params.n_gpu_layers < 0:
             model_params.n_gpu_layers = 0x7FFFFFFF
+        model_params.use_extra_bufts = self.extra_buffers = llama_cpp_check.extra_buffers_allowed(
+            bool(options.get("amx"))
+        )
         try:
             self._model = LlamaModel(path_model=str(path), params=model_params, verbose=bool(options.get("verbose")))
         except (ValueError, OSError) as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import httpx
@@ -98,3 +99,43 @@ def _rename_until_gone(server, client, titles: set[str]) -> None:
             client.predict(f"title {n}", api_name="/do_rename")
         except Exception:
             return
+
+
+CRASHER = '''
+"""Test extension: a native crash (segmentation fault) while a reply is produced."""
+import ctypes
+
+
+def custom_generate_reply(question, original_question, state, stopping_strings, is_chat):
+    if "CRASH" not in question:
+        return None
+
+    def reply():
+        ctypes.string_at(0)  # reads address 0: SIGSEGV, as a crash inside llama.cpp would
+        yield ""
+
+    return reply()
+'''
+
+
+def test_a_native_crash_prints_the_stack_and_the_log_names_model_and_request(
+    live_server_factory, tmp_path: Path
+) -> None:
+    user_data = tmp_path / "ud"
+    (user_data / "extensions" / "crasher").mkdir(parents=True)
+    (user_data / "extensions" / "crasher" / "script.py").write_text(CRASHER)
+    server = live_server_factory("--user-data-dir", str(user_data), "--nowebui", "--extensions", "openai", "crasher")
+    chat = server.url + "/v1/chat/completions"
+    ok = httpx.post(chat, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200
+    with contextlib.suppress(httpx.HTTPError):  # the server dies mid-request
+        httpx.post(chat, json={"messages": [{"role": "user", "content": "CRASH please"}], "max_tokens": 4}, timeout=60)
+    assert server.proc.wait(timeout=30) != 0
+    log = server.log()
+    assert "Fatal Python error: Segmentation fault" in log and "crasher/script.py" in log  # the stack, to the line
+    before = log[: log.index("Fatal Python error")]
+    last = before.rstrip().splitlines()[-1]
+    assert f"extension reply on {DEFAULT_MODEL} (llama.cpp)" in last, last  # the request that was running
+    request_id = last.split("Request ", 1)[1].split(":", 1)[0]
+    assert f"Request {request_id}: generated" not in log
+    assert f"Loading {DEFAULT_MODEL} with llama.cpp" in log
