@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     # A native crash (llama.cpp, torch) prints every thread's stack; the log's last "Request ..." lines say
     # which model and requests were running.
     faulthandler.enable(all_threads=True)
+    for note in loaded.notes:
+        log.info("%s", note)
     shared.init(loaded)
-    extensions.load_extensions(settings.extensions)
+    extensions.load_extensions(settings.startup_extensions())
     try:
         app = create_app()
     except SettingsError as exc:
@@ -101,16 +103,22 @@ def main(argv: list[str] | None = None) -> int:
         log.info("Starting without a model (load one in the Model tab)")
     host = settings.host
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    what = "API" if settings.nowebui else "web UI and API"
-    log.info("Serving the %s on http://%s:%d", what, shown, settings.listen_port)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=settings.listen_port,
-        log_level="debug" if settings.verbose else "warning",
-        timeout_graceful_shutdown=2,
-    )
-    uvicorn.Server(config).run()
+    what = "API" if settings.nowebui else "web UI and API" if settings.api else "web UI (no API: --no-api)"
+    ports = list(dict.fromkeys(p for p in (settings.listen_port, settings.api_port) if p))
+    for port in ports:
+        log.info("Serving the %s on http://%s:%d", what, shown, port)
+    configs = [
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="debug" if settings.verbose else "warning",
+            timeout_graceful_shutdown=2,
+        )
+        for port in ports
+    ]
+    sockets = [config.bind_socket() for config in configs]  # one server on every port (--api-port too)
+    uvicorn.Server(configs[0]).run(sockets=sockets)
     return 0
 
 

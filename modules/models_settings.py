@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CTX_CAP = 4096
 MODEL_YAML = "textgen.yaml"
 # Keys allowed in per-model settings that are not server settings.
-MODEL_ONLY_KEYS = ("instruction_template", "chat_template", "preset")
+MODEL_ONLY_KEYS = ("instruction_template", "chat_template", "preset", "sampling")
 
 
 @dataclass
@@ -79,6 +79,10 @@ def _apply(result: ModelSettings, values: dict[str, Any], source: str) -> None:
         key = str(key).replace("-", "_")
         if key == "loader":
             result.loader = str(value)
+        elif key == "sampling":  # merged over the layers below, each key checked
+            result.extra["sampling"] = {**result.extra.get("sampling", {}), **_sampling(value, source)}
+            result.sources[key] = f"{result.sources[key]} < {source}" if key in result.sources else source
+            continue
         elif key in Settings.model_fields:
             result.options[key] = value
         elif key in MODEL_ONLY_KEYS:
@@ -89,11 +93,29 @@ def _apply(result: ModelSettings, values: dict[str, Any], source: str) -> None:
         result.sources[key] = source
 
 
+def _sampling(values: Any, source: str) -> dict[str, Any]:
+    """The valid GenerationParams values of a recommended-sampling mapping; the rest is logged and dropped."""
+    from modules.errors import InvalidRequest
+    from modules.generation.params import GenerationParams
+
+    kept: dict[str, Any] = {}
+    for key, value in values.items() if isinstance(values, dict) else []:
+        try:
+            GenerationParams.from_dict({str(key): value})
+        except (InvalidRequest, TypeError, ValueError) as exc:
+            log.warning("%s: sampling %s=%r ignored: %s", source, key, value, exc)
+            continue
+        kept[str(key)] = value
+    return kept
+
+
 def resolve(
     model_name: str, model_path: Path, meta: ModelMetadata, overrides: dict[str, Any] | None = None
 ) -> ModelSettings:
     """The settings to load ``model_name`` with, after every layer of precedence."""
     result = ModelSettings(options=shared.settings.model_dump())
+    if meta.sampling:
+        _apply(result, {"sampling": meta.sampling}, "the model's metadata")
     for key, value in metadata_defaults(meta).items():
         if result.options.get(key) is None:
             result.options[key] = value

@@ -37,7 +37,9 @@ def set_active(names: list[str]) -> list[str]:
     for ext in extensions.load_extensions(names):
         if not ext.active:
             problems.append(f"{ext.name}: {(ext.error or '').strip().splitlines()[-1] if ext.error else 'failed'}")
-    shared.settings.extensions = [e.name for e in extensions.active()]
+    active = [e.name for e in extensions.active()]
+    shared.settings.api = "openai" in active
+    shared.settings.extensions = [name for name in active if name != "openai"]
     return problems
 
 

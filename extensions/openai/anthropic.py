@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
@@ -54,6 +55,13 @@ def anthropic_error(exc: BaseException) -> JSONResponse:
     return JSONResponse(
         {"type": "error", "error": {"type": kind, "message": err.message}}, status_code=err.status, headers=err.headers
     )
+
+
+def _invalid(exc: ValidationError) -> JSONResponse:
+    """A request body that does not validate, as a 400 naming the first bad field."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return anthropic_error(InvalidRequest(f"{where}: {first['msg']}", param=where))
 
 
 def _blocks_text(
@@ -160,6 +168,26 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         raise InvalidRequest(f"invalid request: {exc.errors()[0]['msg']}", param="messages") from exc
 
 
+async def count_tokens(body: dict[str, Any], request: Request) -> Any:
+    """POST /v1/messages/count_tokens: ``{"input_tokens": N}``, the prompt /v1/messages would be given.
+
+    The body is a Messages request without ``max_tokens``; the prompt is rendered and tokenized by the same code
+    as for /v1/messages, so the count equals the ``input_tokens`` its reply reports.
+    """
+    try:
+        req = MessagesRequest.model_validate({"max_tokens": 1, **body})
+    except ValidationError as exc:
+        return _invalid(exc)
+    try:
+        req.log_unknown_fields("messages.count_tokens")
+        chat_req = to_chat(req)
+        backend = await core.serving_backend(request, req.model)
+        tokens = await anyio.to_thread.run_sync(core.count_chat_tokens, chat_req, backend)
+    except Exception as exc:
+        return anthropic_error(exc)
+    return {"input_tokens": tokens}
+
+
 def _stop_reason(stats: Any, calls: bool) -> tuple[str, str | None]:
     if calls:
         return "tool_use", None
@@ -175,9 +203,7 @@ async def create(body: dict[str, Any], request: Request) -> Any:
     try:
         req = MessagesRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        return anthropic_error(InvalidRequest(f"{where}: {first['msg']}", param=where))
+        return _invalid(exc)
     try:
         started = time.perf_counter()
         req.log_unknown_fields("messages")

@@ -131,6 +131,8 @@ async def _stream(
     extra = {"usage": None} if include_usage else {}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        if logprobs is None and job.params.logprobs and finish is None:
+            logprobs = {"content": [], "refusal": None}  # as OpenAI: every chunk before the last has a list
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse({**meta, "object": "chat.completion.chunk", "choices": [choice], **extra})
 

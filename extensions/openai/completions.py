@@ -67,7 +67,8 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _fim(backend: Backend, prompt: str | list[int], suffix: str) -> list[int]:
+def fim_prompt(backend: Backend, prompt: str | list[int], suffix: str) -> list[int]:
+    """A fill-in-the-middle prompt: the text before the gap, the text after it, then the model writes the middle."""
     tokens = backend.fim_tokens()
     if tokens is None:
         raise InvalidRequest("suffix needs a model with fill-in-the-middle tokens; this one has none", param="suffix")
@@ -98,7 +99,7 @@ async def create(req: CompletionRequest, request: Request) -> Any:
     params = params.replace(logprobs=want_logprobs, top_logprobs=top)
     prompts = _prompts(req)
     if req.suffix:
-        prompts = [_fim(backend, p, req.suffix) for p in prompts]
+        prompts = [fim_prompt(backend, p, req.suffix) for p in prompts]
     ids = [encode_prompt(backend, p) if isinstance(p, str) else p for p in prompts]
     echo_text = [backend.decode(i) if isinstance(p, list) else p for p, i in zip(prompts, ids, strict=True)]
     meta = {

@@ -83,7 +83,8 @@ def from_exception(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The message and the field (param) of a request that does not validate."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -109,7 +110,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -139,6 +139,8 @@ class JSONSchemaFormat(_Base):
 class ResponseFormat(_Base):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    # llama-cpp-python's and Together's form: {"type": "json_object", "schema": {...}} (honoured like json_schema)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
 class FunctionDefinition(_Base):

@@ -120,6 +120,7 @@ class ModelMetadata:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     add_bos_token: bool = True
+    sampling: dict[str, Any] = field(default_factory=dict)  # the model's recommended GenerationParams values
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -178,7 +178,9 @@ def build() -> ChatUI:
             scale=1,
             sources=["upload", "clipboard"],
         )
-        textbox = gr.Textbox(show_label=False, placeholder="Send a message", elem_id="chat-input", scale=7, lines=2)
+        textbox = gr.Textbox(
+            show_label=False, placeholder="Send a message", elem_id="chat-input", scale=7, lines=1, max_lines=10
+        )  # one line: Enter sends, Shift+Enter adds a line (Gradio submits on Shift+Enter when lines > 1)
         send = gr.Button("Send", variant="primary", elem_id="send", scale=1)
         stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
     with gr.Row():

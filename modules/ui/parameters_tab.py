@@ -8,12 +8,13 @@ from __future__ import annotations
 import contextlib
 import json
 import typing
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import gradio as gr
 
-from modules import shared
+from modules import models, shared
 from modules.errors import TextgenError
 from modules.generation import presets
 from modules.generation.params import GenerationParams
@@ -33,6 +34,7 @@ SLIDER_MAX = {"max_new_tokens": 4096, "min_tokens": 2048, "top_k": 200, "repetit
               "mirostat_tau": 10.0, "mirostat_eta": 1.0, "top_a": 1.0}  # fmt: skip
 HIDDEN = {"logprobs", "top_logprobs"}  # set by the API and extensions, not by hand
 DEFAULT_PRESET = "Min-P"
+MODEL_PRESET = "Model's recommendation"  # the loaded model's own sampling (metadata or models_settings.yaml)
 
 
 @dataclass
@@ -43,6 +45,9 @@ class ParamsUI:
     components: list[Any]
     preset: Any
     ignored: Any
+    sampling: Any  # says what the loaded model recommends
+    page_load: Callable[[], list[Any]] | None = None  # fills the components when a page opens
+    page_load_outputs: list[Any] = field(default_factory=list)
 
     def to_params(self, *values: Any) -> GenerationParams:
         """GenerationParams from the components' values (as passed to an event handler)."""
@@ -100,6 +105,32 @@ def initial_values() -> dict[str, Any]:
     return values
 
 
+def model_values() -> dict[str, Any] | None:
+    """Defaults overlaid with the loaded model's recommended sampling, or None when it recommends none."""
+    recommended, _ = models.recommended_sampling()
+    return {**GenerationParams.defaults(), **recommended} if recommended else None
+
+
+def sampling_text() -> str:
+    """What the loaded model recommends, and whether the page uses it."""
+    recommended, source = models.recommended_sampling()
+    if not recommended:
+        return "The loaded model recommends no sampling." if shared.model is not None else ""
+    values = ", ".join(f"`{k}` {v}" for k, v in recommended.items())
+    return f"**{MODEL_PRESET}** (from {source}): {values}."
+
+
+def page_start() -> tuple[str | None, dict[str, Any]]:
+    """The preset a new page starts from: ``preset:`` in settings.yaml if set, else the model's own sampling if it
+    has some, else the default preset."""
+    chosen = shared.ui_defaults.get("preset")
+    recommended = model_values()
+    if chosen is None and recommended is not None:
+        return MODEL_PRESET, recommended
+    name = str(chosen or DEFAULT_PRESET)
+    return (name if name in presets.list_presets() else None), initial_values()
+
+
 def ignored_text() -> str:
     """Which parameters the loaded backend ignores."""
     backend = shared.model
@@ -123,7 +154,11 @@ def build() -> ParamsUI:
         choices = presets.list_presets()
         default = str(shared.ui_defaults.get("preset", DEFAULT_PRESET))
         preset = gr.Dropdown(
-            choices, value=default if default in choices else None, label="Preset", elem_id="preset-dropdown", scale=3
+            [MODEL_PRESET, *choices],
+            value=default if default in choices else None,
+            label="Preset",
+            elem_id="preset-dropdown",
+            scale=3,
         )
         load_btn = gr.Button("Load", elem_id="preset-load", scale=1)
         delete_btn = gr.Button("Delete", elem_id="preset-delete", scale=1)
@@ -131,6 +166,7 @@ def build() -> ParamsUI:
         new_name = gr.Textbox(label="Save as preset", placeholder="name", elem_id="preset-name", scale=3)
         save_btn = gr.Button("Save", elem_id="preset-save", scale=1)
     message = gr.Markdown(elem_id="preset-message")
+    sampling = gr.Markdown(sampling_text(), elem_id="params-sampling")
     ignored = gr.Markdown(ignored_text(), elem_id="params-ignored")
     names: list[str] = []
     components: list[Any] = []
@@ -147,33 +183,49 @@ def build() -> ParamsUI:
                     with gr.Column(min_width=240):
                         components.append(_component(name, values[name], base, meta["doc"], meta["ge"], meta["le"]))
                     names.append(name)
-    ui = ParamsUI(names=names, components=components, preset=preset, ignored=ignored)
+    ui = ParamsUI(names=names, components=components, preset=preset, ignored=ignored, sampling=sampling)
 
     def load(name: str | None) -> list[Any]:
         if not name:
             raise gr.Error("Pick a preset first.")
+        if name == MODEL_PRESET:
+            recommended = model_values()
+            if recommended is None:
+                raise gr.Error("The loaded model recommends no sampling (or no model is loaded).")
+            return [_to_component(n, recommended[n]) for n in names] + [f"Loaded the {MODEL_PRESET.lower()}."]
         try:
             loaded = {**GenerationParams.defaults(), **presets.load_preset(name)}
         except TextgenError as exc:
             raise gr.Error(str(exc)) from exc
         return [_to_component(n, loaded[n]) for n in names] + [f"Loaded preset {name}."]
 
+    def on_page_load() -> list[Any]:
+        name, values = page_start()
+        return [_to_component(n, values[n]) for n in names] + [gr.update(value=name), sampling_text()]
+
+    ui.page_load = on_page_load  # wired by ui/app.py beside the other page-load events
+    ui.page_load_outputs = [*components, preset, sampling]
+
     def save(name: str, *current: Any) -> tuple[Any, str]:
+        if name.strip() == MODEL_PRESET:
+            raise gr.Error(f"{MODEL_PRESET!r} is the loaded model's own sampling; save under another name.")
         try:
             params = ui.to_params(*current)
             presets.save_preset(name.strip(), params)
         except TextgenError as exc:
             raise gr.Error(str(exc)) from exc
-        return gr.update(choices=presets.list_presets(), value=name.strip()), f"Saved preset {name.strip()}."
+        return gr.update(
+            choices=[MODEL_PRESET, *presets.list_presets()], value=name.strip()
+        ), f"Saved preset {name.strip()}."
 
     def delete(name: str | None) -> tuple[Any, str]:
-        if not name:
-            raise gr.Error("Pick a preset first.")
+        if not name or name == MODEL_PRESET:
+            raise gr.Error("Pick a preset file first.")
         try:
             presets.delete_preset(name)
         except TextgenError as exc:
             raise gr.Error(str(exc)) from exc
-        return gr.update(choices=presets.list_presets(), value=None), f"Deleted preset {name}."
+        return gr.update(choices=[MODEL_PRESET, *presets.list_presets()], value=None), f"Deleted preset {name}."
 
     load_btn.click(load, preset, [*components, message])
     preset.input(load, preset, [*components, message])

@@ -40,9 +40,10 @@ def wait_reply(page, before: str = "", timeout: float = 60_000) -> None:
 
 
 def send(page, text: str) -> None:
+    """Type a message and press Enter, as a person would."""
     before = status(page)
     page.fill("#chat-input textarea", text)
-    page.click("#send")
+    page.press("#chat-input textarea", "Enter")
     wait_reply(page, before)
 
 

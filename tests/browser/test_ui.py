@@ -65,7 +65,11 @@ def test_edit_a_message(page, shared_server) -> None:
     editor.fill("EDITED REPLY 7731")
     page.locator("#chatbot button[aria-label=Submit]").click()
     page.wait_for_function("() => document.querySelector('#chatbot')?.innerText.includes('EDITED REPLY 7731')")
-    open_ui(page, shared_server.url)  # the edit was saved
+    open_ui(page, shared_server.url)  # the edit was saved: the restored chat shows it (restore can lag under load)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#chatbot [data-testid=bot]')].some(m => m.innerText.includes('EDITED REPLY 7731'))",
+        timeout=15_000,
+    )
     assert any("EDITED REPLY 7731" in m for m in bot_messages(page))
 
 

@@ -139,3 +139,27 @@ def test_a_native_crash_prints_the_stack_and_the_log_names_model_and_request(
     request_id = last.split("Request ", 1)[1].split(":", 1)[0]
     assert f"Request {request_id}: generated" not in log
     assert f"Loading {DEFAULT_MODEL} with llama.cpp" in log
+
+
+def test_a_text_generation_webui_launch_line_serves_the_api(live_server_factory, tmp_path: Path) -> None:
+    """`python server.py --api --listen --api-port 5000 --n_ctx 2048`, with CMD_FLAGS.txt and --extensions example."""
+    from tests.conftest import free_port
+
+    user_data = tmp_path / "ud"
+    user_data.mkdir()
+    (user_data / "CMD_FLAGS.txt").write_text("--extensions example\n")
+    api_port = free_port()
+    args = ("--user-data-dir", str(user_data), "--api", "--listen", "--api-port", str(api_port), "--n_ctx", "2048")
+    server = live_server_factory(*args)
+    api = f"http://127.0.0.1:{api_port}"
+    info = httpx.get(api + "/v1/internal/model/info").json()
+    assert info["model_name"] == DEFAULT_MODEL and info["context_length"] == 2048
+    reply = httpx.post(
+        api + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+        timeout=60,
+    )
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
+    log = server.log()
+    assert "Loaded extension example" in log and "Loaded extension openai" in log  # --extensions kept the API
+    assert "--api: ignored, the API is on by default" in log and f"http://127.0.0.1:{api_port}" in log
