@@ -1,0 +1,65 @@
+"""The Model tab's lifecycle panels in a browser: the plan and expected memory before a load, estimate vs measured
+after it, and a Hub download (from a Hub on 127.0.0.1) with progress, Cancel, and the new model in the list."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.browser.helpers import open_ui
+from tests.conftest import DEFAULT_MODEL, default_model_path
+from tests.fixtures.fake_hub import FakeHub
+
+MiB = 1 << 20
+
+
+def fill(page, selector: str, text: str) -> None:
+    box = page.locator(f"{selector} textarea, {selector} input").first
+    box.click()
+    box.fill(text)
+
+
+def test_plan_memory_and_download_in_the_model_tab(page, live_server_factory, tmp_path: Path) -> None:
+    hub = FakeHub().start()
+    try:
+        hub.add_repo("org/other-GGUF", {"other-Q8_0.gguf": os.urandom(4096), "other-Q4_K_M.gguf": os.urandom(3 * MiB)})
+        hub.add_repo("org/slow", {"config.json": b"{}", "model.safetensors": os.urandom(40 * MiB)})
+        hub.slow[("org/slow", "model.safetensors")] = 0.2
+        models = tmp_path / "models"
+        models.mkdir()
+        (models / DEFAULT_MODEL).symlink_to(default_model_path())
+        server = live_server_factory(
+            "--model-dir", str(models), "--user-data-dir", str(tmp_path / "ud"),
+            env={"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"},
+        )  # fmt: skip
+        open_ui(page, server.url)
+        page.get_by_role("tab", name="Model").click()
+        plan = page.locator("#model-plan")
+        plan.get_by_text("expected memory").wait_for()
+        text = plan.inner_text()
+        assert "fits" in text and "llama.cpp" in text and "n_ctx" in text and "physical cores" in text
+        measured = page.locator("#model-measured").inner_text()
+        assert "expected" in measured and "measured" in measured and DEFAULT_MODEL in measured
+
+        page.get_by_text("Download from the Hugging Face Hub").click()
+        fill(page, "#download-repo", "org/other-GGUF")
+        page.click("#download-check")
+        status = page.locator("#download-status")
+        status.get_by_text("Quantizations").wait_for()
+        assert "other-Q4_K_M.gguf" in status.inner_text() and "Q8_0" in status.inner_text()
+        page.click("#download-start")
+        status.get_by_text("Downloaded").wait_for(timeout=30_000)
+        assert "other-Q4_K_M.gguf" in status.inner_text()
+        assert (models / "other-Q4_K_M.gguf").stat().st_size == 3 * MiB
+        page.locator("#model-dropdown input").first.click()
+        page.get_by_role("option", name="other-Q4_K_M.gguf", exact=True).wait_for()  # in the list without Refresh
+        page.keyboard.press("Escape")
+
+        fill(page, "#download-repo", "org/slow")
+        page.click("#download-start")
+        status.get_by_text("Downloading").wait_for(timeout=20_000)
+        page.click("#download-cancel")
+        status.get_by_text("Cancelled").wait_for(timeout=30_000)
+        assert not (models / "org_slow").exists() and list((models / ".downloads").rglob("*.part"))
+    finally:
+        hub.stop()
