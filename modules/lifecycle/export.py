@@ -1,0 +1,220 @@
+"""Export a model: HF -> GGUF (any type, with the fidelity check), LoRA -> GGUF adapter, safetensors, ONNX, MLX.
+
+One job function, :func:`export`, over :class:`ExportArgs`; the CLI, the Model tab and the Workbench all call it.
+GGUF: llama.cpp's converter writes F32/F16/BF16/Q8_0 from the HF folder; any other type is F16 first, then
+``llama_model_quantize``. After writing, the file is loaded with llama.cpp and compared with the source (see
+:mod:`modules.lifecycle.fidelity`); the report is returned and written beside the file as ``FILE.fidelity.json``.
+Every file appears under its final name only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modules import jobs
+from modules.errors import BackendUnavailable, InvalidRequest
+from modules.fileio import atomic_write_text
+from modules.lifecycle import convert, quantize
+from modules.lifecycle.convert import partial_path
+
+FORMATS = ("gguf", "gguf-lora", "safetensors", "onnx", "mlx")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_M", "Q3_K_L",
+              "Q3_K_S", "Q2_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_M", "IQ3_S", "IQ2_M")  # fmt: skip
+"""The types offered in the UI (any llama.cpp type name in quantize.FTYPES is accepted)."""
+
+
+@dataclass
+class ExportArgs:
+    """What to export, to what, and how to check it."""
+
+    source: Path  # an HF folder (or a GGUF file, to requantize; or a PEFT folder for gguf-lora)
+    format: str = "gguf"  # one of FORMATS
+    quant: str = "F16"  # GGUF type (gguf, gguf-lora: F32/F16/BF16/Q8_0)
+    output: Path | None = None  # file (gguf) or folder (safetensors, onnx, mlx); default: beside the source
+    base: Path | None = None  # gguf-lora: the base model's HF folder
+    imatrix: Path | None = None  # importance matrix for IQ1/IQ2/IQ3_XXS/Q2_K_S
+    check: bool = True  # run the fidelity check after writing a GGUF
+    keep_f16: bool = False  # keep the intermediate F16 GGUF beside the output
+
+
+@dataclass
+class ExportResult:
+    """What was written and what the check found."""
+
+    output: str
+    format: str
+    quant: str | None = None
+    fidelity: dict[str, Any] | None = None
+    files: list[str] = field(default_factory=list)
+
+
+def default_output(args: ExportArgs) -> Path:
+    """Beside the source: ``NAME.QUANT.gguf``, ``NAME-lora.F16.gguf`` or ``NAME-FORMAT/``."""
+    source = Path(args.source)
+    stem = source.stem if source.is_file() else source.name
+    for suffix in (".F16", ".BF16", ".F32"):
+        stem = stem.removesuffix(suffix)
+    if args.format == "gguf":
+        return source.parent / f"{stem}.{args.quant.upper()}.gguf"
+    if args.format == "gguf-lora":
+        return source.parent / f"{stem}.{args.quant.upper()}.gguf"
+    return source.parent / f"{stem}-{args.format}"
+
+
+def validate(args: ExportArgs) -> None:
+    """Refuse bad arguments before anything runs (format, type, imatrix, source kind)."""
+    if args.format not in FORMATS:
+        raise InvalidRequest(f"format must be one of {', '.join(FORMATS)}, not {args.format!r}", "format")
+    source = Path(args.source)
+    if not source.exists():
+        raise InvalidRequest(f"{source} does not exist", "source")
+    if args.format == "gguf":
+        quantize.check_quant(args.quant, args.imatrix)
+        if source.is_file() and source.suffix != ".gguf":
+            raise InvalidRequest(f"{source.name} is neither an HF folder nor a GGUF file", "source")
+    elif args.format == "gguf-lora":
+        if args.base is None:
+            raise InvalidRequest("a LoRA export needs the base model's HF folder (--base)", "base")
+    elif not (source / "config.json").is_file():
+        raise InvalidRequest(f"{source} is not a Hugging Face model folder (no config.json)", "source")
+
+
+def export(args: ExportArgs, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+    """Run the export ``args`` describes; the job function behind CLI, UI and Workbench."""
+    validate(args)
+    output = Path(args.output) if args.output else default_output(args)
+    if args.format == "gguf":
+        return _gguf(args, output, report, cancel)
+    if args.format == "gguf-lora":
+        assert args.base is not None
+        lora = convert.LoraConvertArgs(Path(args.source), Path(args.base), output, args.quant)
+        path = convert.convert_lora_to_gguf(lora, report, cancel)
+        return ExportResult(output=str(path), format="gguf-lora", quant=args.quant.upper(), files=[str(path)])
+    if args.format == "safetensors":
+        return _safetensors(Path(args.source), output, report, cancel)
+    if args.format == "onnx":
+        return _onnx(Path(args.source), output, report, cancel)
+    return _mlx(Path(args.source), output, args.quant, report, cancel)
+
+
+def _gguf(args: ExportArgs, output: Path, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+    from modules.lifecycle import fidelity
+
+    source, quant = Path(args.source), args.quant.upper()
+    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent if output.parent.exists() else None))
+    try:
+        hf_source = source if source.is_dir() else None
+        if hf_source is None:
+            f16 = source  # a GGUF given: requantize it (and compare with it)
+        elif quant in ("F32", "F16", "BF16"):  # the converter's own (Q8_0 goes through F16, to be compared with it)
+            f16 = convert.convert_hf_to_gguf(convert.ConvertArgs(source, output, quant), report, cancel)
+        else:
+            f16 = convert.convert_hf_to_gguf(convert.ConvertArgs(source, work / "model.F16.gguf"), report, cancel)
+        jobs.check(cancel)
+        if f16 != output:
+            qargs = quantize.QuantizeArgs(f16, output, quant, imatrix=args.imatrix)
+            quantize.quantize(qargs, report, cancel)
+        result = ExportResult(output=str(output), format="gguf", quant=quant, files=[str(output)])
+        if args.keep_f16 and f16.parent == work:
+            kept = output.with_name(output.name.replace(f".{quant}.", ".F16.")) if f".{quant}." in output.name else None
+            kept = kept or output.with_suffix(".F16.gguf")
+            shutil.move(str(f16), kept)
+            f16 = kept
+            result.files.append(str(kept))
+        if args.check:
+            jobs.check(cancel)
+            report(message="fidelity check: loading the exported file in llama.cpp")
+            result.fidelity = check(output, hf_source, f16 if f16 != output else None)
+            atomic_write_text(output.with_name(output.name + ".fidelity.json"), json.dumps(result.fidelity, indent=2))
+            report(message="checked: " + fidelity.summary(result.fidelity))
+        return result
+    except BaseException:
+        partial_path(output).unlink(missing_ok=True)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def check(path: Path, hf_source: Path | None, f16: Path | None) -> dict[str, Any]:
+    """The fidelity numbers of an exported GGUF: agreement with the HF model, PPL, and KLD against ``f16``."""
+    from modules.lifecycle import fidelity
+
+    reference = fidelity.reference(f16) if f16 is not None else None
+    report, _ = fidelity.check_gguf(path, hf_source=hf_source, reference=reference)
+    return report.to_dict()
+
+
+def _safetensors(source: Path, output: Path, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    report(done=0, total=2, message="loading")
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float16, local_files_only=True)
+    jobs.check(cancel)
+    tmp = partial_path(output)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        report(done=1, total=2, message="saving safetensors")
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        AutoTokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(tmp))
+        jobs.check(cancel)
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.replace(output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(done=2, total=2, message="done")
+    return ExportResult(output=str(output), format="safetensors", files=sorted(str(p) for p in output.iterdir()))
+
+
+def _onnx(source: Path, output: Path, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+    try:
+        from optimum.exporters.onnx import main_export
+    except ImportError as exc:
+        raise BackendUnavailable(
+            "ONNX export needs the optional packages optimum-onnx and onnxruntime, which are not installed. "
+            "optimum-onnx 0.1.0 requires transformers<4.58, older than the one textgen pins, so use a separate "
+            "environment: `python -m venv onnx-env && onnx-env/bin/pip install 'optimum-onnx[onnxruntime]'`, then "
+            f"`onnx-env/bin/optimum-cli export onnx --model {source} {output}`"
+        ) from exc
+    tmp = partial_path(output)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        report(done=0, total=1, message="exporting to ONNX (optimum)")
+        main_export(str(source), output=str(tmp), task="text-generation-with-past", device="cpu", local_files_only=True)
+        jobs.check(cancel)
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.replace(output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(done=1, total=1, message="done")
+    return ExportResult(output=str(output), format="onnx", files=sorted(str(p) for p in output.iterdir()))
+
+
+def _mlx(source: Path, output: Path, quant: str, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+    if sys.platform != "darwin" or platform.machine() != "arm64":
+        raise BackendUnavailable("MLX runs on Apple silicon (macOS on arm64) only; this machine cannot export to it")
+    try:
+        from mlx_lm import convert as mlx_convert
+    except ImportError as exc:
+        raise BackendUnavailable("MLX export needs the optional package mlx-lm: `pip install mlx-lm`") from exc
+    tmp = partial_path(output)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        report(done=0, total=1, message="converting to MLX")
+        bits = {"Q4_0": 4, "Q4_K_M": 4, "Q8_0": 8}.get(quant.upper())
+        mlx_convert(str(source), mlx_path=str(tmp), quantize=bits is not None, q_bits=bits or 4)
+        jobs.check(cancel)
+        tmp.replace(output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportResult(output=str(output), format="mlx", files=sorted(str(p) for p in output.iterdir()))

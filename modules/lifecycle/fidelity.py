@@ -1,0 +1,224 @@
+"""Proof that an exported GGUF is the same model: greedy agreement with the HF source, and PPL / KLD against F16.
+
+Greedy agreement: the same prompt token ids go to transformers (float32) and to llama.cpp (the GGUF, through
+:class:`LlamaCppBackend`, so the AMX guard applies); both pick the most likely token 32 times with end-of-text
+banned. Where they part, the HF model's logit margin between its choice and llama.cpp's says whether it was a
+near-tie (rounding) or a real difference. For quantized files, perplexity on :data:`FIDELITY_TEXT` (shipped in the
+repo) and the mean KL divergence of the next-token distributions against the F16 file measure what was lost.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FIDELITY_TEXT = Path(__file__).with_name("data") / "fidelity.txt"
+PROMPTS = (
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "The history of the printing press begins",
+    "def fibonacci(n):\n",
+    "<|im_start|>user\nList three fruits.<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village by the sea,",
+)
+TOKENS = 32
+TEXT_TOKENS = 384  # tokens of FIDELITY_TEXT scored (enough for a stable ratio, quick on CPU)
+
+
+@dataclass
+class PromptAgreement:
+    """One prompt's greedy comparison."""
+
+    prompt: str
+    agreed: int  # leading tokens that are the same
+    total: int
+    margin: float | None = None  # HF logit(its token) - logit(llama.cpp's token) where they part; None if equal
+
+    @property
+    def identical(self) -> bool:
+        """Whether all compared tokens agree."""
+        return self.agreed == self.total
+
+
+@dataclass
+class FidelityReport:
+    """What export says about a GGUF file (numbers a user can check)."""
+
+    path: str
+    size_bytes: int = 0
+    bits_per_weight: float = 0.0
+    agreement: list[PromptAgreement] = field(default_factory=list)
+    perplexity: float | None = None
+    kld: float | None = None  # mean KL(F16 || this), nats per token
+    top1_same: float | None = None  # share of positions where this file's top token is F16's
+    tokens_per_s: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def prompts_identical(self) -> int:
+        """How many prompts agree on every compared token."""
+        return sum(a.identical for a in self.agreement)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON, the UI table)."""
+        data = asdict(self)
+        data["prompts_identical"] = self.prompts_identical
+        return data
+
+    def summary(self) -> str:
+        """One line for the CLI and the UI."""
+        parts = [f"{Path(self.path).name}: {self.size_bytes / 1e6:.1f} MB, {self.bits_per_weight:.2f} bpw"]
+        if self.agreement:
+            parts.append(f"greedy agreement {self.prompts_identical}/{len(self.agreement)} prompts")
+        if self.perplexity is not None:
+            parts.append(f"PPL {self.perplexity:.3f}")
+        if self.kld is not None:
+            parts.append(f"KLD vs F16 {self.kld:.5f}")
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:.1f} tok/s")
+        return ", ".join(parts)
+
+
+def load_gguf(path: Path, n_ctx: int = 1024) -> Any:
+    """The GGUF in our llama.cpp backend (one slot, the AMX guard applied)."""
+    from modules.loaders.llama_cpp import LlamaCppBackend
+
+    return LlamaCppBackend.load(Path(path), {"n_ctx": n_ctx, "parallel": 1})
+
+
+def _gguf_greedy(backend: Any, ids: list[int], n: int) -> tuple[list[int], float]:
+    from modules.generation.params import GenerationParams
+
+    params = GenerationParams(temperature=0, max_new_tokens=n, ban_eos=True, seed=0)
+    start = time.perf_counter()
+    out = [e.token_id for e in backend.generate(ids, params, threading.Event()) if e.token_id >= 0]
+    return out, len(out) / max(time.perf_counter() - start, 1e-9)
+
+
+def _hf_greedy(model: Any, ids: list[int], n: int, banned: list[int]) -> tuple[list[int], list[Any]]:
+    import torch
+
+    tokens: list[int] = []
+    rows: list[Any] = []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            logits = out.logits[0, -1].float()
+            logits[banned] = -math.inf
+            token = int(torch.argmax(logits))
+            tokens.append(token)
+            rows.append(logits)
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, rows
+
+
+def load_hf(source: Path) -> tuple[Any, Any]:
+    """The HF model in float32 on CPU, and its tokenizer (no network)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, local_files_only=True)
+    return model.eval(), AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+
+
+def greedy_agreement(
+    hf: tuple[Any, Any], backend: Any, prompts: tuple[str, ...] = PROMPTS, n: int = TOKENS
+) -> tuple[list[PromptAgreement], float]:
+    """Compare greedy continuations of an HF model and a loaded GGUF; also returns llama.cpp's tokens/s."""
+    model, tokenizer = hf
+    eos = model.generation_config.eos_token_id
+    banned = sorted({*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id} - {None})
+    results, speeds = [], []
+    for prompt in prompts:
+        ids = backend.encode(prompt, add_special=False)
+        got, speed = _gguf_greedy(backend, ids, n)
+        speeds.append(speed)
+        want, rows = _hf_greedy(model, ids, n, banned)
+        agreed = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
+        margin = None
+        if agreed < min(len(want), len(got)):
+            row = rows[agreed]
+            margin = float(row[want[agreed]] - row[got[agreed]])
+        results.append(PromptAgreement(prompt=prompt, agreed=agreed, total=n, margin=margin))
+    return results, float(np.median(speeds)) if speeds else 0.0
+
+
+def text_ids(backend: Any, limit: int = TEXT_TOKENS) -> list[int]:
+    """The fidelity text's token ids (BOS if the model uses one), cut to ``limit``."""
+    return list(backend.encode(FIDELITY_TEXT.read_text(encoding="utf-8"), add_special=True))[:limit]
+
+
+def logprob_rows(backend: Any, ids: list[int]) -> np.ndarray:
+    """Next-token log-probabilities at every position of ``ids`` (shape: len-1 x vocab, float32)."""
+    rows = backend._log_softmax_rows(ids, set(range(len(ids) - 1)))  # the backend's scoring context
+    return np.stack([rows[i].astype(np.float32) for i in range(len(ids) - 1)])
+
+
+def perplexity(rows: np.ndarray, ids: list[int]) -> float:
+    """exp(mean negative log-likelihood of each next token)."""
+    picked = rows[np.arange(len(ids) - 1), np.asarray(ids[1:])]
+    return float(math.exp(-float(picked.astype(np.float64).mean())))
+
+
+def kl_divergence(reference: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
+    """Mean KL(reference || rows) over positions, and the share of positions with the same top token."""
+    ref = reference.astype(np.float64)
+    kld = (np.exp(ref) * (ref - rows.astype(np.float64))).sum(axis=1)
+    same = float((reference.argmax(axis=1) == rows.argmax(axis=1)).mean())
+    return float(kld.mean()), same
+
+
+def reference(path: Path) -> tuple[list[int], np.ndarray]:
+    """The fidelity text's ids and next-token log-probabilities under a GGUF (the F16 file, for KLD)."""
+    backend = load_gguf(path)
+    try:
+        ids = text_ids(backend)
+        return ids, logprob_rows(backend, ids)
+    finally:
+        backend.unload()
+
+
+def summary(data: dict[str, Any]) -> str:
+    """:meth:`FidelityReport.summary` of a report's dict."""
+    fields = {k: v for k, v in data.items() if k in FidelityReport.__dataclass_fields__}
+    fields["agreement"] = [PromptAgreement(**a) for a in data.get("agreement") or []]
+    return FidelityReport(**fields).summary()
+
+
+def check_gguf(
+    path: Path,
+    hf_source: Path | None = None,
+    reference: tuple[list[int], np.ndarray] | None = None,
+    prompts: tuple[str, ...] = PROMPTS,
+    n: int = TOKENS,
+    hf: tuple[Any, Any] | None = None,
+) -> tuple[FidelityReport, tuple[list[int], np.ndarray]]:
+    """Measure one GGUF: greedy agreement with ``hf_source`` (if given), PPL, KLD against ``reference`` (the F16
+    file's ids and rows, if given). Returns the report and this file's (ids, rows), a reference for the next."""
+    from modules.lifecycle.quantize import bits_per_weight
+
+    start = time.perf_counter()
+    path = Path(path)
+    report = FidelityReport(path=str(path), size_bytes=path.stat().st_size, bits_per_weight=bits_per_weight(path))
+    backend = load_gguf(path)
+    try:
+        if hf is None and hf_source is not None:
+            hf = load_hf(hf_source)
+        if hf is not None:
+            report.agreement, report.tokens_per_s = greedy_agreement(hf, backend, prompts, n)
+        else:
+            _, report.tokens_per_s = _gguf_greedy(backend, backend.encode(prompts[0], add_special=False), n)
+        ids = reference[0] if reference is not None else text_ids(backend)
+        rows = logprob_rows(backend, ids)
+    finally:
+        backend.unload()
+    report.perplexity = perplexity(rows, ids)
+    if reference is not None:
+        report.kld, report.top1_same = kl_divergence(reference[1], rows)
+    report.seconds = time.perf_counter() - start
+    return report, (ids, rows)

@@ -1,0 +1,183 @@
+"""A Hub model card (README.md) for an exported or merged model, naming only the files that are really uploaded.
+
+YAML header: base_model, license, tags, quantization, pipeline_tag, library_name. Body: what the files are (with
+the fidelity numbers export measured), usage for textgen, llama.cpp, Ollama (a Modelfile), LM Studio and
+transformers, and, when a LoRA was merged, the LoRA settings, training parameters and datasets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from modules.lifecycle.merge import MERGE_INFO
+
+
+@dataclass
+class CardArgs:
+    """What the card describes."""
+
+    folder: Path  # the folder to upload
+    repo: str  # ORG/NAME on the Hub
+    files: list[str] = field(default_factory=list)  # the file names that will be uploaded (relative to folder)
+    base_model: str = ""  # the original model's Hub id (read from the merge info or config when empty)
+    license: str = ""
+    tags: list[str] = field(default_factory=list)
+
+
+def upload_files(folder: Path) -> list[str]:
+    """The files a push sends: everything in the folder but hidden, partial and fidelity-report files."""
+    names = []
+    for path in sorted(Path(folder).rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if not path.is_file() or any(part.startswith(".") for part in Path(rel).parts):
+            continue
+        if rel.endswith(".partial") or "/.partial" in rel or rel.endswith(".fidelity.json"):
+            continue
+        names.append(rel)
+    return names
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _hub_id(value: Any) -> bool:
+    """Whether ``value`` names a Hub repo (``ORG/NAME``), not a folder on this machine."""
+    return isinstance(value, str) and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", value)) and not Path(value).exists()
+
+
+def _gguf_quant(name: str) -> str:
+    parts = name.removesuffix(".gguf").split(".")
+    return parts[-1].upper() if len(parts) > 1 else "GGUF"
+
+
+def render(args: CardArgs) -> str:
+    """The README.md text."""
+    folder = Path(args.folder)
+    files = args.files or upload_files(folder)
+    ggufs = [f for f in files if f.endswith(".gguf")]
+    has_hf = "config.json" in files
+    merge = _read_json(folder / MERGE_INFO)
+    config = _read_json(folder / "config.json")
+    candidates = [merge.get("base_model"), config.get("_name_or_path")]
+    base = args.base_model or next((c for c in candidates if _hub_id(c)), "")  # never a local path
+    quants = sorted({_gguf_quant(f) for f in ggufs})
+    tags = ["textgen", *(["gguf", "llama.cpp"] if ggufs else []), *(["merge", "lora"] if merge else []), *args.tags]
+    header: dict[str, Any] = {}
+    if base:
+        header["base_model"] = base
+    header["license"] = args.license or "other"
+    header["tags"] = list(dict.fromkeys(tags))
+    if quants:
+        header["quantization"] = quants[0] if len(quants) == 1 else quants
+    header["pipeline_tag"] = "text-generation"
+    header["library_name"] = "gguf" if ggufs and not has_hf else "transformers"
+    name = args.repo.split("/")[-1]
+    out = ["---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "", f"# {name}", ""]
+    out += [
+        f"{'A merge of a LoRA adapter into ' if merge else 'An export of '}`{base or 'a model'}`, made with textgen.",
+        "",
+    ]
+    out += ["## Files", "", "| file | size |", "|---|---|"]
+    for f in files:
+        size = (folder / f).stat().st_size if (folder / f).is_file() else 0
+        out.append(f"| `{f}` | {size / 1e6:.1f} MB |")
+    out.append("")
+    for f in ggufs:
+        fidelity = _read_json(folder / (f + ".fidelity.json"))
+        if fidelity:
+            out += [f"Fidelity of `{f}` (measured by textgen's export): " + _fidelity_line(fidelity), ""]
+    if ggufs:
+        out += _gguf_usage(args.repo, ggufs[0])
+    if has_hf:
+        out += _hf_usage(args.repo)
+    if merge:
+        out += _merge_section(merge)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _fidelity_line(data: dict[str, Any]) -> str:
+    parts = [f"{data.get('bits_per_weight', 0):.2f} bits per weight"]
+    agreement = data.get("agreement") or []
+    if agreement:
+        same = sum(a["agreed"] == a["total"] for a in agreement)
+        parts.append(f"greedy tokens identical to the source on {same}/{len(agreement)} prompts")
+    if data.get("perplexity") is not None:
+        parts.append(f"perplexity {data['perplexity']:.3f}")
+    if data.get("kld") is not None:
+        parts.append(f"KL divergence vs F16 {data['kld']:.5f}")
+    return ", ".join(parts) + "."
+
+
+def _gguf_usage(repo: str, gguf: str) -> list[str]:
+    return [
+        "## Usage",
+        "",
+        "**textgen**: put the file in `models/` and run `python server.py --model " + Path(gguf).name + "`, or",
+        "",
+        "```sh",
+        f"python -m modules.lifecycle download {repo} --specific-file {gguf}",
+        "```",
+        "",
+        "**llama.cpp**:",
+        "",
+        "```sh",
+        f"llama-cli -hf {repo} --hf-file {gguf}",
+        f"llama-server -hf {repo} --hf-file {gguf}",
+        "```",
+        "",
+        "**Ollama**: download the file, then with this `Modelfile` beside it:",
+        "",
+        "```",
+        f"FROM ./{Path(gguf).name}",
+        "```",
+        "",
+        "```sh",
+        f"ollama create {repo.split('/')[-1].lower()} -f Modelfile",
+        f"ollama run hf.co/{repo}:{_gguf_quant(gguf)}",
+        "```",
+        "",
+        f"**LM Studio**: search for `{repo}` in the Discover tab and pick `{gguf}`, or `lms import {Path(gguf).name}`.",
+        "",
+    ]
+
+
+def _hf_usage(repo: str) -> list[str]:
+    return [
+        "## Usage with transformers",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        "```",
+        "",
+    ]
+
+
+def _merge_section(merge: dict[str, Any]) -> list[str]:
+    out = ["## Training", "", f"LoRA adapter `{merge.get('adapter', '')}` merged in {merge.get('dtype', '16 bit')}"]
+    if merge.get("base_was_quantized"):
+        out[-1] += " into the dequantized 4-bit base it was trained on"
+    out[-1] += "."
+    out.append("")
+    for key, value in (merge.get("lora") or {}).items():
+        out.append(f"- {key}: {value}")
+    training = merge.get("training") or {}
+    if training:
+        datasets = [training[k] for k in ("dataset", "eval_dataset") if training.get(k)]
+        if datasets:
+            out += ["", "Datasets: " + ", ".join(f"`{d}`" for d in datasets)]
+        out += ["", "Training parameters:", "", "```yaml", yaml.safe_dump(training, sort_keys=False).strip(), "```"]
+    out.append("")
+    return out

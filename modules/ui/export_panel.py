@@ -1,0 +1,165 @@
+"""The Model tab's Merge / Export / Quant table panel: forms that start the lifecycle jobs and show their progress.
+
+Only an adapter: the work is ``lifecycle.merge.merge``, ``lifecycle.export.export`` and ``lifecycle.quant_table.build``
+run as background jobs (:mod:`modules.jobs`); a timer shows their progress, results and the fidelity numbers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+
+from modules import jobs, models, shared
+from modules.errors import TextgenError
+from modules.paths import UnsafePath, safe_child
+
+KIND = "export"  # one export-like job at a time (merge, export, table): they each need the whole CPU
+
+
+def _sources() -> list[str]:
+    root = shared.models_dir()
+    names = []
+    for name in models.model_names():
+        path = root / name
+        if (path / "config.json").is_file() or path.suffix == ".gguf":
+            names.append(name)
+    return names
+
+
+def _path(name: str, what: str, root: Path | None = None) -> Path:
+    if not name or not name.strip():
+        raise TextgenError(f"choose {what}")
+    try:
+        return safe_child(root or shared.models_dir(), name.strip())
+    except UnsafePath as exc:
+        raise TextgenError(f"invalid {what}: {exc}") from exc
+
+
+def job_text(job: jobs.Job | None) -> str:
+    """The last export-like job, as a status line (and its result)."""
+    if job is None:
+        return "*No export has run yet.*"
+    fraction = f" {job.fraction:.0%}" if job.fraction is not None and job.state == "running" else ""
+    text = f"**{job.title}**: {job.state}{fraction}. {job.message}"
+    if job.error:
+        text += f"\n\n{job.error}"
+    result = job.result
+    fidelity = getattr(result, "fidelity", None)
+    if fidelity:
+        from modules.lifecycle import fidelity as fid
+
+        text += f"\n\n{fid.summary(fidelity)}"
+        for item in fidelity.get("agreement", []):
+            if item["agreed"] < item["total"]:
+                text += f"\n- parted at token {item['agreed']} (HF logit margin {item['margin']:.3f})"
+    elif isinstance(result, Path | str):
+        text += f"\n\nWrote `{result}`"
+    return text
+
+
+def table_frame(job: jobs.Job | None) -> pd.DataFrame:
+    """The quant table job's rows (empty until it finishes)."""
+    if job is None or not isinstance(job.result, list):
+        return pd.DataFrame(columns=["quant", "size_mb", "bits_per_weight", "perplexity", "kld", "tokens_per_s"])
+    frame = pd.DataFrame(job.result)
+    return frame[["quant", "size_mb", "bits_per_weight", "perplexity", "ppl_ratio", "kld", "top1_same", "tokens_per_s"]]
+
+
+def _start(title: str, fn: Any) -> str:
+    try:
+        job = jobs.start(KIND, title, fn, exclusive=True)
+    except jobs.Busy as exc:
+        gr.Warning(str(exc))
+        return job_text(jobs.running(KIND))
+    return job_text(job)
+
+
+def build() -> None:
+    """The panel (call inside the Model tab)."""
+    from modules.lifecycle.export import FORMATS, GGUF_TYPES
+    from modules.lifecycle.quant_table import DEFAULT_TYPES
+
+    with gr.Accordion("Merge, export and quantize", open=False):
+        with gr.Tab("Export"):
+            with gr.Row():
+                source = gr.Dropdown(_sources(), label="Model (HF folder or GGUF)", elem_id="export-source", scale=3)
+                fmt = gr.Dropdown(list(FORMATS), value="gguf", label="Format", elem_id="export-format")
+                quant = gr.Dropdown(list(GGUF_TYPES), value="Q4_K_M", label="Type", elem_id="export-quant")
+            with gr.Row():
+                output = gr.Textbox(label="Output name in models/ (empty: NAME.TYPE.gguf)", elem_id="export-output")
+                base = gr.Dropdown(_sources(), label="Base (for a LoRA export)", elem_id="export-base")
+                check = gr.Checkbox(True, label="Fidelity check (greedy agreement, PPL, KLD vs F16)")
+            with gr.Row():
+                export_btn = gr.Button("Export", variant="primary", elem_id="export-start")
+                cancel_btn = gr.Button("Cancel", elem_id="export-cancel")
+        with gr.Tab("Merge LoRA"):
+            with gr.Row():
+                merge_base = gr.Dropdown(_sources(), label="Base model (HF folder)", elem_id="merge-base")
+                merge_lora = gr.Dropdown(models.list_loras(), label="LoRA", elem_id="merge-lora")
+                merge_out = gr.Textbox(label="Merged model name in models/", elem_id="merge-output")
+            merge_btn = gr.Button("Merge", variant="primary", elem_id="merge-start")
+        with gr.Tab("Quant table"):
+            with gr.Row():
+                table_source = gr.Dropdown(_sources(), label="Model (HF folder)", elem_id="table-source", scale=2)
+                types = gr.CheckboxGroup(list(GGUF_TYPES), value=list(DEFAULT_TYPES), label="Types", scale=3)
+            table_btn = gr.Button("Build the table", variant="primary", elem_id="table-start")
+            table = gr.Dataframe(table_frame(None), interactive=False, elem_id="quant-table")
+            plot = gr.ScatterPlot(table_frame(None), x="size_mb", y="perplexity", color="quant",
+                                  title="File size (MB) against perplexity", elem_id="quant-plot")  # fmt: skip
+        status = gr.Markdown(job_text(next(iter(jobs.all_jobs(KIND)), None)), elem_id="export-status")
+
+    def start_export(name: str, fmt_: str, quant_: str, out: str, base_: str, check_: bool) -> str:
+        from modules.lifecycle.export import ExportArgs, export
+
+        try:
+            args = ExportArgs(_path(name, "a model"), fmt_, quant_, _path(out, "an output name") if out else None,
+                              _path(base_, "a base model") if base_ else None, check=bool(check_))  # fmt: skip
+            if fmt_ == "gguf-lora":
+                args.source = _path(name, "a LoRA", shared.loras_dir())
+        except TextgenError as exc:
+            gr.Warning(str(exc))
+            return job_text(None)
+        return _start(f"export {name} {quant_}", lambda r, c: export(args, r, c))
+
+    def start_merge(base_: str, lora: str, out: str) -> str:
+        from modules.lifecycle.merge import MergeArgs, merge
+
+        try:
+            args = MergeArgs(_path(base_, "a base model"), _path(lora, "a LoRA", shared.loras_dir()),
+                             _path(out or f"{base_}-{lora}-merged", "an output name"))  # fmt: skip
+        except TextgenError as exc:
+            gr.Warning(str(exc))
+            return job_text(None)
+        return _start(f"merge {lora} into {base_}", lambda r, c: merge(args, r, c))
+
+    def start_table(name: str, chosen: list[str]) -> str:
+        from modules.lifecycle.quant_table import TableArgs, build
+
+        try:
+            source_path = _path(name, "a model")
+        except TextgenError as exc:
+            gr.Warning(str(exc))
+            return job_text(None)
+        args = TableArgs(source_path, shared.models_dir() / f"{name}-quants", tuple(chosen or DEFAULT_TYPES))
+        return _start(f"quant table {name}", lambda r, c: build(args, r, c))
+
+    def cancel() -> str:
+        job = jobs.running(KIND)
+        if job is not None:
+            jobs.cancel(job.id)
+        return job_text(job)
+
+    def poll() -> tuple[Any, Any, Any]:
+        last = next(iter(jobs.all_jobs(KIND)), None)
+        table_job = next((j for j in jobs.all_jobs(KIND) if j.title.startswith("quant table")), None)
+        frame = table_frame(table_job)
+        return job_text(last), frame, frame
+
+    export_btn.click(start_export, [source, fmt, quant, output, base, check], status, queue=False)
+    merge_btn.click(start_merge, [merge_base, merge_lora, merge_out], status, queue=False)
+    table_btn.click(start_table, [table_source, types], status, queue=False)
+    cancel_btn.click(cancel, None, status, queue=False)
+    gr.Timer(2.0).tick(poll, None, [status, table, plot], queue=False, show_progress="hidden")

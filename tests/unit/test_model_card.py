@@ -1,0 +1,130 @@
+"""The model card names exactly the files a push uploads, and says what a Hub page needs; push refuses early."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from modules.errors import InvalidRequest
+from modules.lifecycle import model_card
+from modules.lifecycle.merge import MERGE_INFO
+from modules.lifecycle.publish import PushArgs, PushError, prepare, push
+
+
+@pytest.fixture
+def export_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "SmolLM2-secret-gguf"
+    folder.mkdir()
+    (folder / "SmolLM2-secret.Q4_K_M.gguf").write_bytes(b"GGUF" + b"\0" * 2000)
+    (folder / "SmolLM2-secret.Q4_K_M.gguf.fidelity.json").write_text(
+        json.dumps({"bits_per_weight": 6.17, "perplexity": 26.5, "kld": 0.0504,
+                    "agreement": [{"agreed": 32, "total": 32}, {"agreed": 10, "total": 32}]})
+    )  # fmt: skip
+    (folder / "SmolLM2-secret.Q8_0.gguf.partial").write_bytes(b"half")  # an export still running
+    (folder / ".hidden").write_text("x")
+    (folder / MERGE_INFO).write_text(
+        json.dumps({"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "adapter": "secret", "dtype": "float16",
+                    "base_was_quantized": True, "lora": {"r": 8, "lora_alpha": 16},
+                    "training": {"dataset": "secret.jsonl", "learning_rate": 0.0003, "epochs": 3}})
+    )  # fmt: skip
+    return folder
+
+
+def header(card: str) -> dict:
+    match = re.match(r"---\n(.*?)\n---\n", card, re.S)
+    assert match, card[:200]
+    return yaml.safe_load(match[1])
+
+
+def test_card_names_only_the_uploaded_files(export_folder: Path) -> None:
+    files, card = prepare(PushArgs(export_folder, "me/SmolLM2-secret-GGUF", license="apache-2.0"))
+    assert files == ["README.md", "SmolLM2-secret.Q4_K_M.gguf", "textgen_merge.json"]
+    assert (export_folder / "README.md").read_text() == card
+    meta = header(card)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert meta["license"] == "apache-2.0"
+    assert meta["quantization"] == "Q4_K_M"
+    assert meta["pipeline_tag"] == "text-generation" and meta["library_name"] == "gguf"
+    assert {"gguf", "llama.cpp", "merge"} <= set(meta["tags"])
+    named = set(re.findall(r"[\w.-]+\.gguf\b", card))
+    assert named == {"SmolLM2-secret.Q4_K_M.gguf"}  # no file the repo will not have
+    assert "FROM ./SmolLM2-secret.Q4_K_M.gguf" in card  # the Ollama Modelfile
+    assert "--hf-file SmolLM2-secret.Q4_K_M.gguf" in card and "LM Studio" in card
+    assert "KL divergence vs F16 0.05040" in card and "1/2 prompts" in card
+    assert "secret.jsonl" in card and "learning_rate: 0.0003" in card and "4-bit" in card
+
+
+def test_hf_folder_card_has_transformers_usage(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"_name_or_path": "org/base"}))
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    card = model_card.render(model_card.CardArgs(tmp_path, "me/merged"))
+    meta = header(card)
+    assert meta["library_name"] == "transformers" and "quantization" not in meta
+    assert 'from_pretrained("me/merged")' in card and meta["base_model"] == "org/base"
+    (tmp_path / "config.json").write_text(json.dumps({"_name_or_path": str(tmp_path)}))  # a local folder
+    assert "base_model" not in header(model_card.render(model_card.CardArgs(tmp_path, "me/merged")))
+
+
+def test_push_without_a_token_is_refused_before_any_request(
+    export_folder: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no saved login
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
+    args = PushArgs(export_folder, "me/x", endpoint="http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(PushError, match="token"):
+        push(args, lambda *a, **k: None, threading.Event())
+    with pytest.raises(InvalidRequest, match="ORG/NAME"):
+        prepare(PushArgs(export_folder, "no-slash"))
+
+
+@pytest.fixture
+def push_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
+    from tests.fixtures.fake_hub_push import FakePushHub
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    hub = FakePushHub({"hf_me": "me", "hf_other": "other"}).start()
+    yield hub
+    hub.stop()
+
+
+def test_push_creates_private_repos_and_reuses_existing_ones(export_folder: Path, push_hub) -> None:  # type: ignore[no-untyped-def]
+    report = lambda *a, **k: None  # noqa: E731
+    args = PushArgs(export_folder, "me/secret-GGUF", private=True, token="hf_me", endpoint=push_hub.url)
+    result = push(args, report, threading.Event())
+    repo = push_hub.repos["me/secret-GGUF"]
+    assert result["private"] is True and repo.private is True
+    assert sorted(repo.files) == result["files"] == ["README.md", "SmolLM2-secret.Q4_K_M.gguf", "textgen_merge.json"]
+    assert repo.files["SmolLM2-secret.Q4_K_M.gguf"] == (export_folder / "SmolLM2-secret.Q4_K_M.gguf").read_bytes()
+    assert b"--hf-file SmolLM2-secret.Q4_K_M.gguf" in repo.files["README.md"]
+    # again, to the existing repo: a second commit, visibility unchanged when not asked
+    again = push(PushArgs(export_folder, "me/secret-GGUF", token="hf_me", endpoint=push_hub.url), report,
+                 threading.Event())  # fmt: skip
+    assert again["private"] is True and len(repo.commits) == 2
+    # asked public: it becomes public
+    public = push(PushArgs(export_folder, "me/secret-GGUF", private=False, token="hf_me", endpoint=push_hub.url),
+                  report, threading.Event())  # fmt: skip
+    assert public["private"] is False and repo.private is False
+    # someone else's namespace: the Hub's refusal, as a clear error
+    with pytest.raises(PushError, match="refused"):
+        push(PushArgs(export_folder, "me/secret-GGUF", token="hf_other", endpoint=push_hub.url), report,
+             threading.Event())  # fmt: skip
+
+
+def test_optional_targets_say_what_is_missing(tmp_path: Path) -> None:
+    from modules.errors import BackendUnavailable
+    from modules.lifecycle.export import ExportArgs, export
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(BackendUnavailable, match="optimum-onnx"):
+        export(ExportArgs(tmp_path, format="onnx"), lambda *a, **k: None, threading.Event())
+    with pytest.raises(BackendUnavailable, match="Apple silicon"):
+        export(ExportArgs(tmp_path, format="mlx"), lambda *a, **k: None, threading.Event())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
