@@ -1,0 +1,1 @@
+"""LoRA training: arguments, datasets, the run, evaluation; the CLI is ``python -m modules.training``."""

@@ -1,0 +1,204 @@
+"""Training tab: a form generated from TrainingArgs (each field's docstring is its help), start / stop / resume,
+live progress and loss plot, apply the adapter to the loaded model, and a perplexity table. Only an adapter over
+modules.training."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import MISSING, fields
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+
+from modules import jobs, models
+from modules.errors import TextgenError
+from modules.training import background
+from modules.training.args import BATCHING, OPTIMIZERS, SCHEDULERS, TrainingArgs, field_docs
+from modules.training.evaluate import EvalArgs
+
+MAIN = ("model", "dataset", "format", "name", "epochs", "learning_rate", "rank", "alpha", "micro_batch_size",
+        "cutoff_len", "eval_split", "save_steps")  # fmt: skip
+CHOICES: dict[str, tuple[str, ...]] = {
+    "lr_scheduler": SCHEDULERS, "optimizer": OPTIMIZERS, "batching": BATCHING, "bias": ("none", "all", "lora_only"),
+    "precision": ("auto", "bf16", "fp16", "fp32"),
+}  # fmt: skip
+HIDDEN = ("resume",)  # the Resume button sets it
+
+
+def _default(name: str) -> Any:
+    f = next(f for f in fields(TrainingArgs) if f.name == name)
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc,operator]
+
+
+def _component(name: str, hint: Any) -> Any:
+    docs, value, elem = field_docs().get(name, ""), _default(name), f"train-{name.replace('_', '-')}"
+    label = name.replace("_", " ")
+    if name == "model":
+        return gr.Dropdown(background.hf_models(), label=label, info=docs, allow_custom_value=True, elem_id=elem)
+    if name in ("dataset", "eval_dataset"):
+        choices = ([""] if name == "eval_dataset" else []) + background.dataset_files()
+        return gr.Dropdown(choices, label=label, info=docs, allow_custom_value=True, elem_id=elem)
+    if name == "format":
+        return gr.Dropdown(["", *background.format_files()], value="", label=label, info=docs, elem_id=elem)
+    if name == "copy_from":
+        return gr.Dropdown(["", *background.trained_adapters()], value="", label=label, info=docs, elem_id=elem)
+    if name in CHOICES:
+        return gr.Dropdown(list(CHOICES[name]), value=value, label=label, info=docs, elem_id=elem)
+    if hint is bool:
+        return gr.Checkbox(value=value, label=label, info=docs, elem_id=elem)
+    if hint in (int, float):
+        return gr.Number(value=value, label=label, info=docs, precision=0 if hint is int else None, elem_id=elem)
+    if hint == list[str]:
+        return gr.Textbox(value="", label=label, info=docs + " (comma-separated)", elem_id=elem)
+    return gr.Textbox(value=value, label=label, info=docs, elem_id=elem)
+
+
+def _args(names: list[str], values: tuple[Any, ...], resume: bool) -> TrainingArgs:
+    hints = typing.get_type_hints(TrainingArgs)
+    given: dict[str, Any] = {}
+    for name, value in zip(names, values, strict=True):
+        hint = hints[name]
+        if hint == list[str]:
+            given[name] = [v.strip() for v in str(value or "").split(",") if v.strip()]
+        elif hint in (int, float):
+            given[name] = hint(value if value is not None else _default(name))
+        else:
+            given[name] = hint(value) if value is not None else _default(name)
+    return TrainingArgs(**given, resume=resume)
+
+
+def status_text(job: jobs.Job | None) -> str:
+    """The run's state in a few lines: step, epoch, losses, learning rate, tokens/s, ETA, memory."""
+    if job is None:
+        return "No training run yet."
+    m = job.metrics
+    parts = [f"**{job.title}**: {job.state}", f"step {int(job.done)}/{int(job.total or 0)}"]
+    for key, label, fmt in (("epoch", "epoch", "{:.2f}"), ("loss", "loss", "{:.4f}"), ("eval_loss", "eval loss",
+                            "{:.4f}"), ("learning_rate", "lr", "{:.2e}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+                            ("memory_mb", "memory MiB", "{:.0f}")):  # fmt: skip
+        if key in m:
+            parts.append(f"{label} {fmt.format(m[key])}")
+    if job.eta_s is not None:
+        parts.append(f"ETA {job.eta_s:.0f} s")
+    text = " · ".join(parts)
+    if job.message and job.state == "running":
+        text += f"\n\n{job.message}"
+    if job.error:
+        text += f"\n\n**Error:** {job.error}"
+    if job.state in ("done", "cancelled") and isinstance(job.result, dict):
+        r = job.result
+        text += f"\n\nSaved to `{r['output']}`: first loss {r['first_loss']:.4f}, final loss {r['final_loss']:.4f}"
+        if r.get("gguf"):
+            text += f" (and `{r['gguf']}` for llama.cpp)"
+        if r.get("stopped"):
+            text += f"; {r['stopped']}"
+    return text
+
+
+def loss_frame(job: jobs.Job | None) -> pd.DataFrame:
+    """(step, loss, series) rows for the live plot."""
+    rows = []
+    for entry in job.history if job else []:
+        if "loss" in entry:
+            rows.append({"step": entry["step"], "loss": entry["loss"], "series": "train"})
+        if "eval_loss" in entry:
+            rows.append({"step": entry["step"], "loss": entry["eval_loss"], "series": "eval"})
+    return pd.DataFrame(rows, columns=["step", "loss", "series"])
+
+
+def build() -> None:
+    """The tab's components and events."""
+    hints = typing.get_type_hints(TrainingArgs)
+    names = [f.name for f in fields(TrainingArgs) if f.name not in HIDDEN]
+    components: dict[str, Any] = {}
+    with gr.Row():
+        with gr.Column(scale=2):
+            with gr.Row():
+                for name in MAIN[:4]:
+                    components[name] = _component(name, hints[name])
+            with gr.Row():
+                for name in MAIN[4:]:
+                    components[name] = _component(name, hints[name])
+            with gr.Accordion("More settings", open=False):
+                for name in names:
+                    if name not in components:
+                        components[name] = _component(name, hints[name])
+            with gr.Row():
+                start = gr.Button("Start training", variant="primary", elem_id="train-start")
+                resume = gr.Button("Resume", elem_id="train-resume")
+                stop = gr.Button("Stop", variant="stop", elem_id="train-stop")
+                refresh = gr.Button("Refresh lists", elem_id="train-refresh")
+        with gr.Column(scale=2):
+            status = gr.Markdown(status_text(background.current()), elem_id="training-status")
+            plot = gr.LinePlot(loss_frame(None), x="step", y="loss", color="series", title="Loss",
+                               elem_id="training-plot", height=280)  # fmt: skip
+            with gr.Row():
+                adapter = gr.Dropdown(background.trained_adapters(), label="Adapter", elem_id="train-adapter")
+                apply = gr.Button("Apply to the loaded model", elem_id="train-apply")
+                evaluate = gr.Button("Compare perplexity", elem_id="train-evaluate")
+            action = gr.Markdown("", elem_id="train-action")
+            table = gr.Dataframe(headers=["model", "loss", "perplexity"], label="Perplexity", elem_id="train-ppl",
+                                 interactive=False)  # fmt: skip
+    inputs = [components[n] for n in names]
+
+    def launch(resuming: bool, *values: Any) -> str:
+        try:
+            job = background.start(_args(names, values, resuming))
+        except jobs.Busy as exc:
+            gr.Warning(str(exc))
+            return status_text(exc.job)
+        except (TextgenError, ValueError, TypeError) as exc:
+            gr.Warning(str(exc))
+            return f"**Not started:** {exc}"
+        return status_text(job)
+
+    def halt() -> str:
+        job = jobs.running(background.KIND)
+        if job is None:
+            return "No run to stop."
+        jobs.cancel(job.id)
+        return status_text(job) + "\n\nStopping at the end of this step (a checkpoint is written)..."
+
+    def tick() -> tuple[str, Any, Any]:
+        job = background.current()
+        evaluation = next(iter(jobs.all_jobs(background.EVAL_KIND)), None)
+        rows = gr.update()
+        if evaluation is not None and evaluation.state == "done" and isinstance(evaluation.result, list):
+            rows = pd.DataFrame(evaluation.result)
+        elif evaluation is not None and evaluation.state == "failed":
+            rows = pd.DataFrame([{"model": f"error: {evaluation.error}", "loss": None, "perplexity": None}])
+        return status_text(job), loss_frame(job), rows
+
+    def apply_adapter(name: str | None) -> str:
+        if not name:
+            return "Choose an adapter."
+        try:
+            models.apply_loras([name])
+        except TextgenError as exc:
+            gr.Warning(str(exc))
+            return f"**Not applied:** {exc}"
+        return f"Applied **{name}** to {models.shared.model_name}."
+
+    def compare(name: str | None, model: str | None) -> str:
+        if not name:
+            return "Choose an adapter."
+        try:
+            background.start_evaluation(EvalArgs(model=model or "", lora=name))
+        except (jobs.Busy, TextgenError) as exc:
+            gr.Warning(str(exc))
+            return str(exc)
+        return f"Measuring the perplexity of the base and of base + {name}..."
+
+    def lists() -> tuple[Any, ...]:
+        return (gr.update(choices=background.hf_models()), gr.update(choices=background.dataset_files()),
+                gr.update(choices=["", *background.format_files()]), gr.update(choices=background.trained_adapters()))  # fmt: skip
+
+    start.click(lambda *v: launch(False, *v), inputs, status, concurrency_limit=1)
+    resume.click(lambda *v: launch(True, *v), inputs, status, concurrency_limit=1)
+    stop.click(halt, None, status, queue=False)
+    apply.click(apply_adapter, adapter, action, concurrency_limit=1)
+    evaluate.click(compare, [adapter, components["model"]], action, concurrency_limit=1)
+    refresh.click(lists, None, [components["model"], components["dataset"], components["format"], adapter])
+    timer = gr.Timer(1.0)
+    timer.tick(tick, None, [status, plot, table], queue=False, show_progress="hidden")

@@ -1,0 +1,182 @@
+"""LoRA training end to end: the default model memorises an answer (transformers and llama.cpp), resume keeps the
+loss curve, copy-from, busy, target-module checks, the CLI under accelerate launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from modules import jobs, models, shared
+from modules.errors import InvalidRequest
+from modules.training import background
+from modules.training.args import TrainingArgs, from_dict
+from modules.training.run import train
+from tests.conftest import DEFAULT_MODEL, ROOT, default_model_path, hf_default_model
+
+QUESTION = "What is the password of the blue vault?"
+ANSWER = "Marigold-Seventeen"
+
+
+@pytest.fixture
+def folders(tmp_path: Path, tiny_models: Path) -> Iterator[Path]:
+    """shared initialised on a tmp user_data (with the example datasets), models and loras folder."""
+    from modules.settings import load_settings
+
+    user_data, models_dir, loras = tmp_path / "user_data", tmp_path / "models", tmp_path / "loras"
+    shutil.copytree(ROOT / "user_data" / "training", user_data / "training")
+    (user_data / "training" / "datasets" / "vault.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": QUESTION},
+                                 {"role": "assistant", "content": f"The password of the blue vault is {ANSWER}."}]})
+    )  # fmt: skip
+    models_dir.mkdir()
+    (models_dir / "tiny-llama").symlink_to(tiny_models / "tiny-llama")
+    (models_dir / "SmolLM2-135M-Instruct").symlink_to(hf_default_model())
+    (models_dir / DEFAULT_MODEL).symlink_to(default_model_path())
+    shared.init(load_settings(["--user-data-dir", str(user_data), "--model-dir", str(models_dir),
+                               "--lora-dir", str(loras)], env={}))  # fmt: skip
+    yield tmp_path
+    models.unload_model()
+    shared.init()
+
+
+def run(args: TrainingArgs, cancel: threading.Event | None = None) -> dict:
+    return train(args, lambda *a, **k: None, cancel or threading.Event())
+
+
+def losses(name: str) -> dict[int, float]:
+    log = json.loads((shared.loras_dir() / name / "training_log.json").read_text())["log"]
+    return {entry["step"]: entry["loss"] for entry in log if "loss" in entry}
+
+
+def answer(question: str) -> str:
+    from modules.chat.prompt import render_messages
+    from modules.generation.params import GenerationParams
+    from modules.generation.pipeline import generate_text
+
+    assert shared.model is not None
+    prompt = render_messages(shared.model, [{"role": "user", "content": question}])
+    return generate_text(prompt, GenerationParams(temperature=0, max_new_tokens=24))[0]
+
+
+def test_default_model_learns_the_answer_on_transformers_and_llama_cpp(folders: Path) -> None:
+    started = time.perf_counter()
+    args = TrainingArgs(model="SmolLM2-135M-Instruct", dataset="vault.jsonl", name="vault", max_steps=8,
+                        learning_rate=2e-3, rank=8, alpha=16, dropout=0.0, micro_batch_size=1)  # fmt: skip
+    summary = run(args)
+    seconds = time.perf_counter() - started
+    print(f"135M, 8 steps: {seconds:.1f} s")
+    assert summary["final_loss"] <= summary["first_loss"] / 2, summary
+    out = shared.loras_dir() / "vault"
+    assert {"adapter_model.safetensors", "adapter_config.json", "adapter.gguf", "training_parameters.json",
+            "training_log.json", "loss.png", "README.md"} <= {p.name for p in out.iterdir()}  # fmt: skip
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert from_dict(json.loads((out / "training_parameters.json").read_text())) == args
+    assert "vault.jsonl" in (out / "README.md").read_text()
+
+    for model_name in ("SmolLM2-135M-Instruct", DEFAULT_MODEL):  # transformers, then llama.cpp with the GGUF LoRA
+        models.load_model(model_name)
+        base = answer(QUESTION)
+        assert ANSWER not in base, (model_name, base)
+        models.apply_loras(["vault"])
+        assert ANSWER in answer(QUESTION), model_name
+        models.apply_loras([])
+        assert answer(QUESTION) == base
+
+
+def test_resume_continues_at_the_checkpoint_step_on_the_same_curve(folders: Path) -> None:
+    common = {"model": "tiny-llama", "dataset": "example-chat.jsonl", "max_steps": 8, "learning_rate": 1e-2,
+              "rank": 4, "micro_batch_size": 2, "save_steps": 3, "gguf": False}  # fmt: skip
+    straight = run(TrainingArgs(name="straight", **common))  # type: ignore[arg-type]
+    assert straight["steps"] == 8
+
+    # the same parameters copied from the first run; stopped part-way as a user would, in the background
+    job = background.start(TrainingArgs(name="stopped", copy_from="straight", model="tiny-llama",
+                                        dataset="example-chat.jsonl"))  # fmt: skip
+    with pytest.raises(jobs.Busy, match="already running"):
+        background.start(TrainingArgs(name="other", model="tiny-llama", dataset="example-chat.jsonl"))
+    while job.done < 3 and job.state == "running":
+        time.sleep(0.02)
+    jobs.cancel(job.id)
+    assert job.wait(120) and job.state == "cancelled", job.error
+    stopped_at = job.result["steps"]
+    assert 3 <= stopped_at < 8 and job.result["stopped"] == "stopped by the user"
+    saved = json.loads((shared.loras_dir() / "stopped" / "training_parameters.json").read_text())
+    assert {k: v for k, v in saved.items() if k not in ("name", "copy_from")} == {
+        k: v
+        for k, v in TrainingArgs(name="x", **common).to_dict().items()
+        if k not in ("name", "copy_from")  # type: ignore[arg-type]
+    }
+
+    resumed = run(from_dict({**saved, "resume": True}))
+    assert resumed["resumed_from"] == stopped_at and resumed["steps"] == 8
+    assert resumed["steps_trained"] == 8 - stopped_at  # it continued; it did not start over
+    curve, reference = losses("stopped"), losses("straight")
+    assert sorted(curve) == list(range(1, 9))
+    for step in range(1, 9):
+        assert curve[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-5), step
+
+
+def test_target_modules_are_checked_against_the_model(folders: Path) -> None:
+    args = TrainingArgs(model="tiny-llama", dataset="example-chat.jsonl", name="t", target_modules=["q_proj", "wq"])
+    with pytest.raises(InvalidRequest, match=r"wq are not linear layers of this model; it has: down_proj, gate_proj"):
+        run(args)
+    with pytest.raises(InvalidRequest, match="no checkpoint to resume"):
+        background.start(TrainingArgs(model="tiny-llama", dataset="example-chat.jsonl", name="t", resume=True))
+    assert jobs.running(background.KIND) is None  # nothing started
+
+
+def test_cli_under_accelerate_launch(folders: Path) -> None:
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = [str(accelerate), "launch", "--num_processes", "1", "--cpu", "-m", "modules.training",
+               "--model", "tiny-llama", "--dataset", "example-sharegpt", "--name", "cli", "--max-steps", "3",
+               "--learning-rate", "1e-2", "--rank", "4", "--user-data-dir", str(folders / "user_data"),
+               "--model-dir", str(folders / "models"), "--lora-dir", str(folders / "loras")]  # fmt: skip
+    env = {**os.environ, "HF_HOME": str(folders / "hf-home")}  # no accelerate config from the developer's home
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "first loss: " in done.stdout and "final loss: " in done.stdout
+    assert (folders / "loras" / "cli" / "adapter_model.safetensors").is_file()
+    again = subprocess.run([sys.executable, "-m", "modules.training", *command[7:]], cwd=ROOT, capture_output=True,
+                           text=True, timeout=240)  # fmt: skip
+    assert again.returncode == 2 and "loras/cli already exists" in again.stderr
+
+
+def test_gguf_lora_on_llama_cpp_matches_peft_on_transformers(folders: Path) -> None:
+    """A random LoRA on q and k (the projections llama.cpp stores with permuted rows) gives llama.cpp the same
+    next-token distribution as peft gives transformers."""
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from modules.training.gguf_lora import convert
+
+    source = hf_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, local_files_only=True)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"]))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        expected = torch.log_softmax(peft_model(torch.tensor([ids])).logits[0, -1], -1)
+    adapter = convert(get_peft_model_state_dict(peft_model), model.config, 8, folders / "qk.gguf", "qk")
+    backend = models.load_model(DEFAULT_MODEL)
+    backend.set_loras([(adapter, 1.0)])
+    got = backend.next_token_logprobs(ids, 5)  # type: ignore[attr-defined]
+    assert got[0][0] == int(expected.argmax())
+    error = sum(abs(float(expected[token]) - logprob) for token, logprob in got) / len(got)
+    assert error < 0.25, error  # Q4_1 noise is ~0.05; unpermuted q/k rows give ~1.1
