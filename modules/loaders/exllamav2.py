@@ -1,26 +1,40 @@
 """ExLlamaV2 backend: EXL2 models on CUDA through exllamav2's dynamic generator, so concurrent requests batch.
 
-A scheduler thread owns the generator: request threads only queue jobs in a pending list, and the scheduler
-enqueues, cancels and iterates them (the dynamic generator is not thread-safe). Each job's results are handed
-to its stream.
-Without CUDA it refuses with a clear message and the server keeps running.
+Built against exllamav2 0.3.2 (turboderp-org/exllamav2; the paths below are in that tree):
+
+- ``ExLlamaV2Config(model_dir)`` already runs ``prepare()`` (config.py), and keeps only ``eos_token_id[0]``
+  of a list; the other end tokens (Llama-3's ``<|eot_id|>``) are read from config.json and
+  generation_config.json here and all stop a reply.
+- ``ExLlamaV2DynamicGenerator.__init__`` (generator/dynamic.py) asserts that the cache is not
+  ``ExLlamaV2Cache_8bit`` (it takes FP16, Q4, Q6 and Q8), that ``cache.max_seq_len`` is a multiple of 256, and,
+  when ``paged`` (the default), that flash-attn >= 2.5.7 is installed (``attn.assert_paged_attn``) and not
+  disabled in the config. Without it the generator runs unpaged: one sequence at a time.
+- One cache serves every job; a job reserves pages for its prompt plus ``max_new_tokens`` when it starts
+  (``prepare_for_queue``), so the cache holds a full context for every parallel slot (see exllama_common).
+
+The scheduler thread (exllama_common) owns the generator. Without CUDA the loader refuses with a clear message.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modules.errors import BackendUnavailable, InvalidRequest, ModelLoadError, QueueFull
+from modules.errors import BackendUnavailable, InvalidRequest, ModelLoadError
 from modules.generation.params import GenerationParams
 from modules.loaders import OPTIONS
-from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TopLogprob
+from modules.loaders.base import ModelMetadata, TopLogprob
+from modules.loaders.exllama_common import (
+    LOAD_ERRORS,
+    ExllamaBackend,
+    JobEntry,
+    cache_choice,
+    cache_tokens,
+    context_tokens,
+    eos_ids_from_files,
+    require_cuda,
+)
 
 log = logging.getLogger(__name__)
 SUPPORTED = frozenset(
@@ -32,157 +46,139 @@ SUPPORTED = frozenset(
         "mirostat_eta", "logit_bias", "logprobs", "top_logprobs",
     }
 )  # fmt: skip
+CACHE_CLASSES = {
+    "fp16": "ExLlamaV2Cache",
+    "q8": "ExLlamaV2Cache_Q8",
+    "q6": "ExLlamaV2Cache_Q6",
+    "q4": "ExLlamaV2Cache_Q4",
+}
+MIN_DYNATEMP = 0.01  # sampling.cpp divides by the dynamic temperature
 
 
-def require_cuda() -> Any:
-    """torch, if CUDA is usable; else BackendUnavailable saying so."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise BackendUnavailable(
-            "ExLlamaV2 needs a CUDA GPU, and this machine has none; use llama.cpp (GGUF) or transformers"
-        )
-    return torch
-
-
-@dataclass
-class _Job:
-    job: Any
-    out: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    generated: int = 0
-    enqueued: bool = False  # handed to the generator (by the scheduler thread)
-
-
-class ExLlamaV2Backend(Backend):
+class ExLlamaV2Backend(ExllamaBackend):
     """EXL2-quantized models on one or several CUDA GPUs."""
 
     loader_name = "exllamav2"
-    supports_logprobs = True
+    library = "ExLlamaV2"
     option_names = OPTIONS["exllamav2"]
     supported_params = SUPPORTED
 
     def __init__(self) -> None:
         super().__init__()
-        self.model: Any = None
-        self.cache: Any = None
-        self.tokenizer: Any = None
-        self.generator: Any = None
-        self._jobs: dict[Any, _Job] = {}  # every job not yet finished, pending or enqueued
-        self._pending: list[_Job] = []  # jobs the scheduler has yet to enqueue
+        self.paged = True
         self._breakers: dict[tuple[str, ...], set[int]] = {}
-        self._cv = threading.Condition()
-        self._running = False
-        self._thread: threading.Thread | None = None
-        self._context = 4096
-        self._max_queue = 64
 
     @classmethod
     def load(cls, path: Path, options: dict[str, Any]) -> ExLlamaV2Backend:
-        """Load an EXL2 folder: config, model (auto-split or --gpu-split), cache (FP16, 8-bit or Q4), tokenizer."""
-        require_cuda()
+        """Load an EXL2 folder: config, model (auto-split or --gpu-split), cache, tokenizer and generator."""
+        require_cuda("ExLlamaV2")
         try:
-            from exllamav2 import (
-                ExLlamaV2,
-                ExLlamaV2Cache,
-                ExLlamaV2Cache_8bit,
-                ExLlamaV2Cache_Q4,
-                ExLlamaV2Config,
-                ExLlamaV2Tokenizer,
-            )
+            import exllamav2
+            from exllamav2 import attn
             from exllamav2.generator import ExLlamaV2DynamicGenerator
         except ImportError as exc:
             raise BackendUnavailable(
                 f"the exllamav2 package is missing or broken ({exc}): pip install exllamav2"
             ) from exc
-
+        kind = cache_choice(options)
+        if kind not in CACHE_CLASSES:
+            raise ModelLoadError(f"ExLlamaV2 has no {kind!r} cache; --cache-type takes {', '.join(CACHE_CLASSES)}")
         self = cls()
         self.path = path
         try:
-            config = ExLlamaV2Config(str(path))
-            config.prepare()
-            if options.get("max_seq_len"):
-                config.max_seq_len = int(options["max_seq_len"])
-            self._context = int(config.max_seq_len)
-            self.model = ExLlamaV2(config)
-            cache_cls = (
-                ExLlamaV2Cache_Q4
-                if options.get("cache_q4")
-                else ExLlamaV2Cache_8bit
-                if options.get("cache_8bit")
-                else ExLlamaV2Cache
-            )
+            config = exllamav2.ExLlamaV2Config(str(path))  # runs prepare() itself
+            config.arch_compat_overrides()  # turns flash-attn off where the model needs what it lacks
+            trained = int(config.max_seq_len)
+            self._context = context_tokens(trained, options.get("max_seq_len"))
+            config.max_seq_len = self._context
+            # attn.py sets has_flash_attn_with_paged for flash-attn >= 2.5.7; the paged generator asserts it
+            self.paged = bool(getattr(attn, "has_flash_attn_with_paged", False)) and not config.no_flash_attn
+            parallel = int(options.get("parallel") or 4) if self.paged else 1
+            if not self.paged:
+                log.warning(
+                    "ExLlamaV2: flash-attn >= 2.5.7 is not usable here, so generations run one at a time "
+                    "(pip install flash-attn for batching)"
+                )
+            size = cache_tokens(self._context, parallel, options.get("cache_size")) if self.paged else self._context
+            self.model = exllamav2.ExLlamaV2(config)
+            cache_cls = getattr(exllamav2, CACHE_CLASSES[kind])
             if options.get("gpu_split"):
                 split = [float(x) for x in str(options["gpu_split"]).split(",") if x.strip()]
                 self.model.load(split)
-                self.cache = cache_cls(self.model, max_seq_len=self._context)
+                self.cache = cache_cls(self.model, max_seq_len=size)
             else:
-                self.cache = cache_cls(self.model, max_seq_len=self._context, lazy=True)
+                self.cache = cache_cls(self.model, max_seq_len=size, lazy=True)
                 self.model.load_autosplit(self.cache)
-            self.tokenizer = ExLlamaV2Tokenizer(config)
+            self.tokenizer = exllamav2.ExLlamaV2Tokenizer(config)
             self.generator = ExLlamaV2DynamicGenerator(
                 model=self.model,
                 cache=self.cache,
                 tokenizer=self.tokenizer,
-                max_batch_size=int(options.get("parallel") or 4),
+                max_batch_size=parallel,
+                max_seq_len=self._context,
+                paged=self.paged,
             )
-        except (ValueError, OSError, RuntimeError) as exc:
+        except LOAD_ERRORS as exc:  # the library's checks are asserts: report them, free what was loaded
+            self._release()
             raise ModelLoadError(f"ExLlamaV2 could not load {path.name}: {exc}") from exc
-        self.max_parallel = int(options.get("parallel") or 4)
-        max_queue = options.get("max_queue")
-        self._max_queue = 64 if max_queue is None else int(max_queue)
+        self.max_parallel = parallel
         tok = self.tokenizer
+        self.stop_ids = _unique([*eos_ids_from_files(path), tok.eos_token_id])
         self.metadata = ModelMetadata(
             name=path.name,
             architecture="exl2",
-            context_length=self._context,
+            context_length=trained,
             bos_token=tok.bos_token or "",
             eos_token=tok.eos_token or "",
             bos_token_id=tok.bos_token_id,
-            eos_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else [],
-            extra={"n_vocab": tok.get_vocab_size()},
+            eos_token_ids=list(self.stop_ids),
+            extra={"n_vocab": tok.get_vocab_size(), "cache": kind, "cache_tokens": size, "paged": self.paged},
         )
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, name="exllamav2-scheduler", daemon=True)
-        self._thread.start()
+        self._start(options)
         return self
 
-    def unload(self) -> None:
-        """Stop the scheduler and free the GPU memory."""
-        with self._cv:
-            self._running = False
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        for job in self._jobs.values():
-            job.out.put(TokenEvent(-1, b"", finish_reason="cancelled"))
-        self._jobs.clear()
-        self._pending.clear()
+    def _release(self) -> None:
         if self.model is not None:
-            self.model.unload()
+            try:
+                self.model.unload()
+            except Exception:  # a half-loaded model: free what can be freed
+                log.exception("ExLlamaV2: unloading failed")
         self.model = self.cache = self.generator = None
-        import torch
-
-        torch.cuda.empty_cache()
-
-    @property
-    def context_length(self) -> int:
-        return self._context
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_bos=add_special, encode_special_tokens=True)
         return [int(t) for t in ids[0].tolist()]
 
     def decode(self, ids: list[int]) -> str:
+        return self._decode_ids(ids, True)
+
+    def _decode_ids(self, ids: list[int], special: bool) -> str:
         import torch
 
-        return str(self.tokenizer.decode(torch.tensor([ids]), decode_special_tokens=True)[0])
+        return str(self.tokenizer.decode(torch.tensor([ids]), decode_special_tokens=special)[0])
 
-    def token_piece(self, token_id: int, special: bool = False) -> bytes:
-        pieces = self.tokenizer.get_id_to_piece_list(special)
-        return str(pieces[token_id]).encode("utf-8") if 0 <= token_id < len(pieces) else b""
+    # ---------------------------------------------------------------- jobs
+    def _new_job(self, prompt_ids: list[int], params: GenerationParams, max_new_tokens: int, key: int) -> Any:
+        import torch
+        from exllamav2.generator import ExLlamaV2DynamicJob
+
+        want = params.logprobs or params.top_logprobs > 0
+        return ExLlamaV2DynamicJob(
+            input_ids=torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=params.min_tokens,
+            gen_settings=self._settings(params),
+            seed=params.resolved_seed(),
+            stop_conditions=[] if params.ban_eos else list(self.stop_ids),
+            decode_special_tokens=not params.skip_special_tokens,
+            return_top_tokens=params.top_logprobs,
+            return_probs=want,
+            return_logits=want and params.greedy,  # greedy probabilities are 1.0 after top_k=1: see _logprobs
+            identifier=key,
+        )
 
     def _settings(self, params: GenerationParams) -> Any:
+        """``ExLlamaV2Sampler.Settings`` for a request; every field is set (the library's defaults are not ours)."""
         from exllamav2.generator import ExLlamaV2Sampler
 
         s = ExLlamaV2Sampler.Settings()
@@ -199,11 +195,13 @@ class ExLlamaV2Backend(Backend):
         s.token_repetition_range = params.repetition_penalty_range or -1
         s.token_presence_penalty, s.token_frequency_penalty = params.presence_penalty, params.frequency_penalty
         s.temperature_last = params.temperature_last
-        if params.dynatemp_range > 0:
-            s.min_temp, s.max_temp = (
-                max(0.0, params.temperature - params.dynatemp_range),
-                params.temperature + params.dynatemp_range,
-            )
+        if params.dynatemp_range > 0 and not params.greedy:
+            # sampling.cpp softmaxes at `temperature`, then post_softmax_temperature rescales by the entropy-based
+            # temperature when max_temp > min_temp: the two stack. Dynamic temperature replaces the fixed one
+            # (as llama.cpp does), so the softmax runs at 1.
+            s.temperature = 1.0
+            s.min_temp = max(MIN_DYNATEMP, params.temperature - params.dynatemp_range)
+            s.max_temp = params.temperature + params.dynatemp_range
             s.temp_exponent = params.dynatemp_exponent
         if params.mirostat_mode == 1:  # exllamav2's mirostat truncates by surprise against mu: that is v2
             raise InvalidRequest(
@@ -229,7 +227,7 @@ class ExLlamaV2Backend(Backend):
                     bias[token] = float("-inf") if value <= -100 else value
             s.token_bias = bias
         if params.ban_eos:
-            s.disallow_tokens(self.tokenizer, [self.tokenizer.eos_token_id])
+            s.disallow_tokens(self.tokenizer, list(self.stop_ids))
         return s
 
     def _breaker_ids(self, breakers: list[str]) -> set[int]:
@@ -240,127 +238,35 @@ class ExLlamaV2Backend(Backend):
             self._breakers[key] = {i for i, piece in enumerate(pieces) if any(b and b in piece for b in breakers)}
         return self._breakers[key]
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        params: GenerationParams,
-        cancel: threading.Event,
-        extra: dict[str, Any] | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Enqueue a dynamic-generator job; its results stream as token events."""
+    def _logprobs(
+        self, entry: JobEntry, result: dict[str, Any], i: int
+    ) -> tuple[float | None, list[TopLogprob] | None]:
+        """Greedy jobs read the log probabilities off the returned logits, the others off the sampler's.
+
+        exllamav2 reports the probability after truncation (ext_sampling.cpp: ``output_probs = temp_probs[0]``),
+        and greedy decoding is top_k=1, so every greedy token would read 0.0 and every alternative log(0). The
+        job's ``logits`` (returned with ``return_logits``) are the ones it sampled from, after penalties and bias.
+        """
+        logits = result.get("logits")
+        if not entry.greedy or logits is None:
+            return super()._logprobs(entry, result, i)
         import torch
-        from exllamav2.generator import ExLlamaV2DynamicJob
 
-        if self.generator is None:
-            raise ModelLoadError("the model has been unloaded")
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        job = ExLlamaV2DynamicJob(
-            input_ids=torch.tensor([prompt_ids]),
-            max_new_tokens=params.max_new_tokens,
-            min_new_tokens=params.min_tokens,
-            gen_settings=self._settings(params),
-            stop_conditions=[] if params.ban_eos else [self.tokenizer.eos_token_id],
-            seed=params.resolved_seed(),
-            return_top_tokens=params.top_logprobs,
-            return_probs=params.logprobs or params.top_logprobs > 0,
-        )
-        entry = _Job(job=job, cancel=cancel)
-        with self._cv:
-            if not self._running:
-                raise ModelLoadError("the model has been unloaded")
-            if len(self._jobs) >= self.max_parallel + self._max_queue:
-                raise QueueFull()
-            self._jobs[job] = entry
-            self._pending.append(entry)  # the scheduler enqueues it: the generator is not thread-safe
-            self._cv.notify_all()
-        return self._stream(entry)
+        vocab = int(self.tokenizer.get_vocab_size())
+        logp = torch.log_softmax(logits[0, i, :vocab].float(), dim=-1)
+        token = int(result["token_ids"][0, i])
+        top = None
+        if result.get("top_k_tokens") is not None:
+            values, ids = torch.topk(logp, min(int(result["top_k_tokens"].shape[-1]), vocab))
+            top = [
+                TopLogprob(int(t), self.token_piece(int(t), True), float(v)) for t, v in zip(ids, values, strict=True)
+            ]
+        return float(logp[token]), top
 
-    def _stream(self, entry: _Job) -> Iterator[TokenEvent]:
-        try:
-            while True:
-                item = entry.out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason:
-                    return
-        finally:
-            entry.cancel.set()
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while self._running and not self._jobs:
-                    self._cv.wait()
-                if not self._running:
-                    return
-                # only this thread touches the generator: new jobs go in, cancelled ones out, between iterations
-                for entry in [e for e in self._jobs.values() if e.cancel.is_set()]:
-                    if entry.enqueued:
-                        self.generator.cancel(entry.job)
-                    self._jobs.pop(entry.job, None)
-                    entry.out.put(TokenEvent(-1, b"", finish_reason="cancelled"))
-                pending, self._pending = self._pending, []
-                for entry in pending:
-                    if entry.job not in self._jobs:
-                        continue
-                    try:
-                        self.generator.enqueue(entry.job)
-                        entry.enqueued = True
-                    except Exception as exc:  # e.g. a job the cache cannot hold: fail that one only
-                        self._jobs.pop(entry.job, None)
-                        entry.out.put(RuntimeError(f"ExLlamaV2 refused the job: {exc}"))
-                if not self._jobs:
-                    continue
-            try:
-                results = self.generator.iterate()
-            except Exception as exc:  # fail the jobs in flight, keep serving
-                log.exception("ExLlamaV2 step failed")
-                with self._cv:
-                    for entry in self._jobs.values():
-                        if entry.enqueued:
-                            with contextlib.suppress(Exception):
-                                self.generator.cancel(entry.job)
-                        entry.out.put(RuntimeError(f"generation failed: {exc}"))
-                    self._jobs.clear()
-                    self._pending.clear()
-                continue
-            for result in results:
-                self._deliver(result)
-
-    def _deliver(self, result: dict[str, Any]) -> None:
-        entry = self._jobs.get(result.get("job"))
-        if entry is None or result.get("stage") != "streaming":
-            return
-        ids = result.get("token_ids")
-        tokens = [int(t) for t in ids[0].tolist()] if ids is not None else []
-        probs = result.get("token_probs")
-        for i, token in enumerate(tokens):
-            logprob = None
-            if probs is not None:
-                import math
-
-                logprob = math.log(max(float(probs[0, i]), 1e-30))
-            entry.generated += 1
-            top = None
-            if result.get("top_k_tokens") is not None:
-                import math
-
-                top = [
-                    TopLogprob(int(t), self.token_piece(int(t), True), math.log(max(float(p), 1e-30)))
-                    for t, p in zip(
-                        result["top_k_tokens"][0, i].tolist(), result["top_k_probs"][0, i].tolist(), strict=True
-                    )
-                ]
-            entry.out.put(TokenEvent(token, self.token_piece(token), logprob=logprob, top_logprobs=top))
-        if result.get("eos"):
-            reason = "length" if result.get("eos_reason") == "max_new_tokens" else "stop"
-            with self._cv:
-                self._jobs.pop(entry.job, None)
-            entry.out.put(TokenEvent(-1, b"", finish_reason=reason))
-
-    def stats(self) -> dict[str, Any]:
-        with self._cv:
-            busy = min(len(self._jobs), self.max_parallel)
-            return {"slots": self.max_parallel, "busy_slots": busy, "queue_depth": len(self._jobs) - busy}
+def _unique(ids: list[int | None]) -> list[int]:
+    out: list[int] = []
+    for item in ids:
+        if item is not None and int(item) not in out:
+            out.append(int(item))
+    return out

@@ -1,9 +1,15 @@
-"""Remote backend: any OpenAI-compatible engine (vLLM, llama-server, another textgen) does the generating.
+"""Remote backend: any OpenAI-compatible engine (vLLM, llama-server, llama-cpp-python's server, TensorRT-LLM's
+trtllm-serve, another textgen) does the generating.
 
 Prompts are still built here (templates, history, extensions), then sent to the engine's ``/v1/completions`` with
 ``stream: true``; the engine's text comes back as token events. Tokenization uses the engine's endpoint when it
-has one (textgen's ``/v1/internal/encode``, llama-server's ``/tokenize``, vLLM's ``/tokenize``); otherwise token
-counts are estimated at four characters per token. Closing the stream (Stop, a client gone) stops the engine.
+has one (textgen's ``/v1/internal/encode``, llama-server's and vLLM's ``/tokenize``, llama-cpp-python's
+``/extras/tokenize``, trtllm-serve's ``/_internal/tokenize``); otherwise token counts are estimated at four
+characters per token. Closing the stream (Stop, a client gone) stops the engine.
+
+trtllm-serve refuses any field its ``CompletionRequest`` does not declare (``extra="forbid"`` in
+tensorrt_llm/serve/openai_protocol.py), so it gets only those: ``ignore_eos`` for ban_eos, ``response_format``
+for schemas, regexes and grammars, and the samplers it lacks are refused here rather than sent.
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ PASSTHROUGH = (
     "dynatemp_range", "dynatemp_exponent", "temperature_last", "top_a", "tfs", "epsilon_cutoff", "eta_cutoff",
     "no_repeat_ngram_size", "ban_eos", "min_tokens", "grammar", "regex",
 )  # fmt: skip
+# What trtllm-serve's CompletionRequest takes (tensorrt_llm/serve/openai_protocol.py), as GenerationParams names
+TRTLLM_PARAMS = frozenset(
+    {
+        "max_new_tokens", "stop", "skip_special_tokens", "seed", "temperature", "top_p", "top_k", "min_p",
+        "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+        "ban_eos", "min_tokens", "json_schema", "regex", "grammar",
+    }
+)  # fmt: skip
 
 
 class RemoteBackend(Backend):
@@ -49,7 +63,8 @@ class RemoteBackend(Backend):
         self.model_id = ""
         self.models: list[str] = []
         self._context = 4096
-        self._tokenizer: str | None = None  # "textgen" | "llama-server" | "vllm" | None
+        self._tokenizer: str | None = None  # "textgen" | "llama-server" | "vllm" | "llama-cpp-python" | "trtllm"
+        self.dialect = "openai"  # "openai" (vLLM, textgen) | "llama.cpp" | "trtllm": which request fields to send
         self._slots = threading.Semaphore(1)
         self._waiting = 0  # streams in flight, running or queued; guarded by _lock
         self._max_queue = 64
@@ -92,8 +107,15 @@ class RemoteBackend(Backend):
         self.metadata.eos_token = info.get("eos_token") or ""
         self.metadata.add_bos_token = bool(info.get("add_bos_token", False))
         self._tokenizer = self._find_tokenizer()
+        if card.get("owned_by") == "tensorrt_llm":  # trtllm-serve's ModelCard
+            self.dialect = "trtllm"
+            self.supported_params = TRTLLM_PARAMS  # type: ignore[misc]  # the others are refused, not sent
+        elif self._tokenizer in ("llama-server", "llama-cpp-python"):
+            self.dialect = "llama.cpp"
         self.path = path
-        log.info("remote: %s at %s (tokenizer: %s)", self.model_id, url, self._tokenizer or "estimated")
+        log.info(
+            "remote: %s at %s (%s; tokenizer: %s)", self.model_id, url, self.dialect, self._tokenizer or "estimated"
+        )
         return self
 
     def _engine_info(self) -> dict[str, Any]:
@@ -116,6 +138,8 @@ class RemoteBackend(Backend):
             ("textgen", "/v1/internal/encode", {"text": "hello"}),
             ("llama-server", "/tokenize", {"content": "hello"}),
             ("vllm", "/tokenize", {"model": self.model_id, "prompt": "hello"}),
+            ("llama-cpp-python", "/extras/tokenize", {"input": "hello"}),
+            ("trtllm", "/_internal/tokenize", {"prompt": "hello"}),
         ]
         assert self.client is not None
         for kind, path, body in probes:
@@ -155,6 +179,10 @@ class RemoteBackend(Backend):
         if self._tokenizer == "vllm":
             body = {"model": self.model_id, "prompt": text, "add_special_tokens": add_special}
             return list(client.post("/tokenize", json=body).json()["tokens"])
+        if self._tokenizer == "llama-cpp-python":  # adds BOS where the model wants one, as its completions do
+            return list(client.post("/extras/tokenize", json={"input": text}).json()["tokens"])
+        if self._tokenizer == "trtllm":
+            return list(client.post("/_internal/tokenize", json={"prompt": text}).json()["tokens"])
         return [0] * max(1, len(text) // 4)  # no tokenizer endpoint: an estimate, for counting only
 
     def decode(self, ids: list[int]) -> str:
@@ -168,10 +196,12 @@ class RemoteBackend(Backend):
             return str(client.post("/detokenize", json={"tokens": ids}).json()["content"])
         if self._tokenizer == "vllm":
             return str(client.post("/detokenize", json={"model": self.model_id, "tokens": ids}).json()["prompt"])
+        if self._tokenizer == "llama-cpp-python":
+            return str(client.post("/extras/detokenize", json={"tokens": ids}).json()["text"])
         raise NotSupported("the remote engine offers no detokenizer")
 
     def token_piece(self, token_id: int, special: bool = False) -> bytes:
-        return self.decode([token_id]).encode("utf-8") if self._tokenizer else b""
+        return self.decode([token_id]).encode("utf-8") if self._tokenizer not in (None, "trtllm") else b""
 
     def _body(self, prompt_ids: list[int], params: GenerationParams, extra: dict[str, Any]) -> dict[str, Any]:
         text = extra.get("prompt_text")
@@ -182,8 +212,13 @@ class RemoteBackend(Backend):
             "temperature": params.temperature,
             "top_p": params.top_p,
             "stream": True,
-            "seed": params.seed,
         }
+        if params.seed >= 0:  # -1 is textgen's "random"; vLLM and trtllm-serve would take it as a fixed seed
+            body["seed"] = params.seed
+        if self.dialect == "trtllm":
+            return _trtllm_body(body, params)
+        if self.dialect == "llama.cpp":  # its servers default to top_k 40, min_p 0.05 and repeat_penalty 1.1
+            body.update(top_k=params.top_k, min_p=params.min_p, repeat_penalty=params.repetition_penalty)
         if params.stop:
             body["stop"] = params.stop
         if params.presence_penalty:
@@ -324,6 +359,31 @@ class _HangUpOnCancel:
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)
             return
+
+
+def _trtllm_body(body: dict[str, Any], params: GenerationParams) -> dict[str, Any]:
+    """The fields of trtllm-serve's CompletionRequest for ``params`` (it answers 400 to any other field)."""
+    changed = params.non_default()
+    for name in ("stop", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty"):
+        if name in changed:
+            body[name] = changed[name]
+    if params.logit_bias:  # it takes biases in [-100, 100] only; -100 bans the token there too
+        body["logit_bias"] = {str(k): max(-100.0, min(100.0, v)) for k, v in params.logit_bias.items()}
+    if params.logprobs or params.top_logprobs:
+        body["logprobs"] = max(1, params.top_logprobs)
+    if params.ban_eos:
+        body["ignore_eos"] = True
+    if params.min_tokens:
+        body["min_tokens"] = params.min_tokens
+    if not params.skip_special_tokens:
+        body["skip_special_tokens"] = False
+    if params.json_schema is not None:
+        body["response_format"] = {"type": "json", "schema": params.json_schema}
+    elif params.regex:
+        body["response_format"] = {"type": "regex", "regex": params.regex}
+    elif params.grammar:
+        body["response_format"] = {"type": "ebnf", "ebnf": params.grammar}
+    return body
 
 
 def _logprobs(data: Any) -> tuple[float | None, list[TopLogprob] | None]:

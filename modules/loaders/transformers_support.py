@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from modules.errors import InvalidRequest, ModelLoadError, NotSupported
 from modules.generation.params import GenerationParams
+from modules.loaders import prequantized
 
 if TYPE_CHECKING:
     from modules.loaders.transformers import TransformersBackend
@@ -56,6 +57,9 @@ def load_model_objects(path: Path, options: dict[str, Any]) -> LoadedObjects:
     elif not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ModelLoadError(f"{folder.name} holds no weights (*.safetensors or *.bin)")
     config = AutoConfig.from_pretrained(str(folder), **common)
+    quantized = prequantized.check(config, folder.name)  # GPTQ/AWQ: transformers reads quantization_config itself
+    if quantized and (options.get("load_in_4bit") or options.get("load_in_8bit")):
+        raise ModelLoadError(f"{folder.name} is already {quantized}-quantized: load it without --load-in-4bit/8bit")
     vision = getattr(config, "vision_config", None) is not None
     cuda = torch.cuda.is_available() and not options.get("cpu")
     dtype = _dtype(torch, options.get("dtype")) or ("auto" if cuda else torch.float32)
@@ -63,7 +67,6 @@ def load_model_objects(path: Path, options: dict[str, Any]) -> LoadedObjects:
     kwargs: dict[str, Any] = {**common, "dtype": dtype, "weights_only": True}
     if options.get("attn_implementation"):
         kwargs["attn_implementation"] = options["attn_implementation"]
-    quantized = None
     if options.get("load_in_4bit") or options.get("load_in_8bit"):
         from transformers import BitsAndBytesConfig
 
