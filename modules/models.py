@@ -13,6 +13,7 @@ from typing import Any
 
 from modules import loaders, models_settings, shared
 from modules.errors import InvalidRequest, ModelLoadError, ModelNotFound, TextgenError
+from modules.lifecycle import load_hooks
 from modules.lifecycle.gguf import GGUFError, read_metadata
 from modules.loaders.base import Backend, ModelMetadata
 from modules.paths import UnsafePath, safe_child
@@ -28,7 +29,7 @@ class ModelInfo:
 
     name: str  # path relative to the models folder
     path: Path
-    format: str  # "gguf" | "hf" | "exl2"
+    format: str  # "gguf" | "hf" | "exl2" | "exl3"
     size_bytes: int
 
     @property
@@ -46,9 +47,8 @@ def _folder_format(folder: Path) -> str | None:
     except (OSError, ValueError):
         return "hf"  # let the loader report the broken config
     quant = data.get("quantization_config") or {}
-    if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "exl2":
-        return "exl2"
-    return "hf"
+    method = str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
+    return method if method in ("exl2", "exl3") else "hf"
 
 
 def _size(path: Path) -> int:
@@ -121,7 +121,9 @@ def find_model(name: str) -> ModelInfo:
 
 def detect_loader(info: ModelInfo) -> str:
     """The loader a model's format calls for."""
-    return {"gguf": "llama.cpp", "exl2": "exllamav2", "hf": "transformers", "remote": "remote"}[info.format]
+    return {"gguf": "llama.cpp", "exl2": "exllamav2", "exl3": "exllamav3", "hf": "transformers", "remote": "remote"}[
+        info.format
+    ]
 
 
 def _hf_metadata(folder: Path) -> ModelMetadata:
@@ -145,7 +147,24 @@ def _hf_metadata(folder: Path) -> ModelMetadata:
     jinja = folder / "chat_template.jinja"
     if meta.chat_template is None and jinja.is_file():
         meta.chat_template = jinja.read_text(encoding="utf-8")
+    meta.sampling = _generation_config_sampling(folder / "generation_config.json")
     return meta
+
+
+HF_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty")
+
+
+def _generation_config_sampling(path: Path) -> dict[str, Any]:
+    """The sampling an HF model's generation_config.json recommends (``do_sample: false`` means greedy)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {k: config[k] for k in HF_SAMPLING if isinstance(config.get(k), int | float)}
 
 
 def inspect_model(info: ModelInfo) -> ModelMetadata:
@@ -156,6 +175,18 @@ def inspect_model(info: ModelInfo) -> ModelMetadata:
         except GGUFError as exc:
             raise ModelLoadError(str(exc)) from exc
     return _hf_metadata(info.path)
+
+
+def recommended_sampling() -> tuple[dict[str, Any], str]:
+    """The loaded model's recommended sampling (GenerationParams values) and where it came from; empty if none.
+
+    Layers, each over the one before: the model's metadata (GGUF ``general.sampling.*``, HF
+    ``generation_config.json``) < ``sampling:`` in user_data/models_settings.yaml < the model's textgen.yaml.
+    """
+    backend = shared.model
+    if backend is None or not backend.metadata.sampling:
+        return {}, ""
+    return dict(backend.metadata.sampling), str(backend.metadata.extra.get("sampling_source", ""))
 
 
 def unload_model() -> None:
@@ -173,27 +204,52 @@ def unload_model() -> None:
         log.info("Unloaded %s", name)
 
 
+def loader_names() -> list[str]:
+    """Every loader that can be chosen (built-in and registered by extensions)."""
+    return loaders.names()
+
+
+def loader_options(loader: str) -> tuple[str, ...]:
+    """The settings ``loader`` reads (the Model tab shows only these)."""
+    return loaders.option_names(loader)
+
+
+def _plan(
+    name: str, overrides: dict[str, Any] | None = None
+) -> tuple[ModelInfo, ModelMetadata, models_settings.ModelSettings, str]:
+    """What loading ``name`` means: its file, metadata, resolved settings and loader; nothing is loaded."""
+    asked = (overrides or {}).get("loader") or shared.settings.loader
+    if asked and loaders.normalize(str(asked)) in loaders.NO_FILE:
+        info = ModelInfo(name=name, path=Path(name), format="remote", size_bytes=0)
+        meta = ModelMetadata(name=name)
+    else:
+        info = find_model(name)
+        meta = inspect_model(info)
+    resolved = models_settings.resolve(info.name, info.path, meta, overrides)
+    load_hooks.auto_plan(info.path, resolved)  # --auto: the smart plan fills what the user left at its default
+    return info, meta, resolved, loaders.normalize(resolved.loader or detect_loader(info))
+
+
+def planned_loader(name: str) -> str:
+    """The loader ``load_model(name)`` would use: a forced --loader, the per-model settings, or the format."""
+    return _plan(name)[3]
+
+
 def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
     """Load ``name`` (unloading the current model first) and make it the shared model.
 
     Raises ModelNotFound, ModelLoadError or BackendUnavailable with a message meant for the user;
     on failure no model is loaded and the server keeps running.
     """
+    name = load_hooks.first_use_download(name, overrides)  # ORG/NAME not in models/: download it (outside the lock)
     with shared.model_lock:
-        asked = (overrides or {}).get("loader") or shared.settings.loader
-        if asked and loaders.normalize(str(asked)) in loaders.NO_FILE:
-            info = ModelInfo(name=name, path=Path(name), format="remote", size_bytes=0)
-            meta = ModelMetadata(name=name)
-        else:
-            info = find_model(name)
-            meta = inspect_model(info)
-        resolved = models_settings.resolve(info.name, info.path, meta, overrides)
-        loader = loaders.normalize(resolved.loader or detect_loader(info))
+        info, meta, resolved, loader = _plan(name, overrides)
         backend_cls = loaders.get(loader)
         unload_model()
         shared.loading_model, shared.load_error = info.name, None
         started = time.perf_counter()
         log.info("Loading %s with %s", info.name, loader)
+        before = load_hooks.snapshot()
         try:
             backend = backend_cls.load(info.path, resolved.options)
         except TextgenError as exc:
@@ -210,8 +266,11 @@ def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
         for key in ("instruction_template", "chat_template"):
             if key in resolved.extra:
                 backend.metadata.extra[key] = resolved.extra[key]
+        backend.metadata.sampling = dict(resolved.extra.get("sampling", {}))
+        backend.metadata.extra["sampling_source"] = resolved.sources.get("sampling", "")
         shared.model, shared.model_name, shared.model_options = backend, info.name, dict(resolved.options)
         shared.model_options["loader"] = loader
+        load_hooks.record_load(info.name, info.path, loader, resolved.options, before)  # estimate vs measured
         log.info(
             "Loaded %s with %s in %.2f s (context %d, %d slot%s)",
             info.name,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -42,7 +43,12 @@ class Settings(BaseModel):
     )
     loader: str | None = Field(
         None,
-        description="Backend to load the model with (llama.cpp, transformers, exllamav2, remote). Default: detected from the format.",
+        description="Backend to load the model with (llama.cpp, transformers, exllamav2, exllamav3, remote). Default: detected from the format.",
+    )
+    auto: bool = Field(
+        False,
+        description="Load with this machine's plan (python -m modules.lifecycle recommend MODEL): loader, context, "
+        "GPU layers, threads, batch, quantization, where nothing else sets them.",
     )
     model_dir: Path = Field(Path("models"), description="Folder holding the models.")
     lora_dir: Path = Field(Path("loras"), description="Folder holding the LoRA adapters.")
@@ -93,13 +99,29 @@ class Settings(BaseModel):
     trust_remote_code: bool = Field(
         False, description="transformers: run Python code shipped with a model (off: safer)."
     )
-    # --- ExLlamaV2 ---
+    # --- ExLlamaV2 / ExLlamaV3 ---
     gpu_split: str | None = Field(
-        None, description="ExLlamaV2: GiB per GPU, comma-separated (e.g. 20,24); default: automatic."
+        None, description="ExLlamaV2/V3: GiB per GPU, comma-separated (e.g. 20,24); default: automatic."
     )
-    cache_8bit: bool = Field(False, description="ExLlamaV2: 8-bit KV cache.")
-    cache_q4: bool = Field(False, description="ExLlamaV2: 4-bit KV cache.")
-    max_seq_len: int | None = Field(None, ge=16, description="ExLlamaV2: context length. Default: the model's.")
+    cache_8bit: bool = Field(False, description="ExLlamaV2/V3: 8-bit KV cache (as --cache-type q8).")
+    cache_q4: bool = Field(False, description="ExLlamaV2/V3: 4-bit KV cache (as --cache-type q4).")
+    cache_type: str | None = Field(
+        None,
+        description="ExLlamaV2/V3: KV cache type: fp16, q8, q6 or q4; ExLlamaV3 also takes 2..8 bits as key,value "
+        "(e.g. 4,6). Default: fp16.",
+    )
+    cache_size: int | None = Field(
+        None,
+        ge=256,
+        description="ExLlamaV2/V3: tokens the KV cache holds for all running generations together. "
+        "Default: --max-seq-len times --parallel.",
+    )
+    max_seq_len: int | None = Field(
+        None,
+        ge=256,
+        description="ExLlamaV2/V3: context length per sequence, rounded down to a multiple of 256. "
+        "Default: the model's, capped at 4096.",
+    )
     # --- remote engine ---
     remote_url: str | None = Field(
         None, description="remote: base URL of an OpenAI-compatible engine (vLLM, llama-server, textgen)."
@@ -110,6 +132,13 @@ class Settings(BaseModel):
     listen_host: str | None = Field(None, description="Host name or address to listen on (overrides --listen).")
     listen_port: int = Field(7860, ge=1, le=65535, description="Port of the web UI and the API.")
     nowebui: bool = Field(False, description="Serve the API only, without the web UI.")
+    api: bool = Field(True, description="Serve the OpenAI-compatible API (the 'openai' extension); --no-api: off.")
+    api_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Also serve the API (and the UI) on this port, e.g. 5000 as text-generation-webui.",
+    )
     api_key: str | None = Field(None, description="Require this key (Bearer or x-api-key) on the API.")
     admin_key: str | None = Field(
         None, description="Require this key for admin API endpoints (model load/unload). Default: --api-key."
@@ -118,12 +147,17 @@ class Settings(BaseModel):
         default_factory=list, description="Origins allowed to call the API from a browser (CORS). Default: none."
     )
     extensions: list[str] = Field(
-        default_factory=lambda: ["openai"],
-        description="Extensions to load at startup (folder names); the OpenAI API is the 'openai' extension.",
+        default_factory=list,
+        description="Extensions to load at startup (folder names), besides the API ('openai', see --api).",
     )
     gradio_auth: str | None = Field(None, description="Web UI logins as 'user:password' pairs separated by commas.")
     gradio_auth_path: Path | None = Field(None, description="File with one 'user:password' per line, for the web UI.")
     multi_user: bool = Field(False, description="Each signed-in user sees only their own chat histories.")
+    enable_code_execution: bool = Field(
+        False,
+        description="Let the Code notebook run Python cells in a Jupyter kernel per browser session. The kernel runs "
+        "any code with the server's rights (no sandbox): turn on only where every user may run programs here.",
+    )
     verbose: bool = Field(False, description="Log debug messages, including every prompt.")
 
     @field_validator("dtype", "compute_dtype")
@@ -145,6 +179,11 @@ class Settings(BaseModel):
     @classmethod
     def _lower_loader(cls, value: str | None) -> str | None:
         return value.lower() if value else value
+
+    def startup_extensions(self) -> list[str]:
+        """The extensions to load: the API first (unless --no-api), then --extensions in order, once each."""
+        names = (["openai"] if self.api else []) + [e for e in self.extensions if e != "openai" or self.api]
+        return list(dict.fromkeys(names))
 
     @property
     def host(self) -> str:
@@ -179,10 +218,16 @@ class LoadedSettings:
     extension_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # from 'name-key' yaml entries
     extra: dict[str, Any] = field(default_factory=dict)  # other settings.yaml keys (UI defaults)
     settings_file: Path | None = None
+    notes: list[str] = field(default_factory=list)  # text-generation-webui flags renamed or ignored, to be logged
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _flags(name: str) -> list[str]:
+    """``--n-ctx`` and, as text-generation-webui spells many, ``--n_ctx``."""
+    return [_flag(name), "--" + name] if "_" in name else [_flag(name)]
 
 
 def _base_type(annotation: Any) -> tuple[Any, bool]:
@@ -211,12 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
         if default not in (None, [], False):
             help_text += f" (default: {' '.join(map(str, default)) if isinstance(default, list) else default})"
         if inner is bool:
-            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(*_flags(name), action=argparse.BooleanOptionalAction, help=help_text)
         elif is_list:
-            parser.add_argument(_flag(name), nargs="*", metavar=name.upper(), help=help_text)
+            parser.add_argument(*_flags(name), nargs="*", metavar=name.upper(), help=help_text)
         else:
             kind = {int: int, float: float, Path: Path}.get(inner, str)
-            parser.add_argument(_flag(name), type=kind, metavar=name.upper(), help=help_text)
+            parser.add_argument(*_flags(name), type=kind, metavar=name.upper(), help=help_text)
     return parser
 
 
@@ -279,8 +324,18 @@ def _validate(values: dict[str, Any], source: str) -> Settings:
 
 def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> LoadedSettings:
     """Merge defaults, the settings file, the environment and the command line, in that order."""
+    from modules import tgw_compat
+
     env = os.environ if env is None else env
-    cli = vars(build_parser().parse_args(list(argv) if argv is not None else None))
+    given = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    first = vars(parser.parse_known_args(tgw_compat.translate(given)[0])[0])  # where user_data is
+    user_data = Path(first.get("user_data_dir") or env.get(ENV_PREFIX + "USER_DATA_DIR") or "user_data")
+    from_file = tgw_compat.cmd_flags(user_data)
+    args, notes = tgw_compat.translate([*from_file, *given])  # the command line wins over CMD_FLAGS.txt
+    if from_file:
+        notes.insert(0, f"read {' '.join(from_file)} from {user_data / tgw_compat.CMD_FLAGS}")
+    cli = vars(parser.parse_args(args))
     settings_file = cli.pop("settings", None)
     user_data = Path(cli.get("user_data_dir") or env.get(ENV_PREFIX + "USER_DATA_DIR") or "user_data")
     if settings_file is None and (user_data / "settings.yaml").is_file():
@@ -304,4 +359,5 @@ def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | No
         extension_params=ext_params,
         extra=extra,
         settings_file=Path(settings_file) if settings_file else None,
+        notes=notes,
     )

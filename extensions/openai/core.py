@@ -22,10 +22,16 @@ from extensions.openai import tools as tooling
 from extensions.openai.auth import is_admin
 from extensions.openai.errors import APIError
 from extensions.openai.metrics import METRICS
-from extensions.openai.protocol import OPENAI_SHAPED, ChatCompletionRequest, ChatMessage, TextgenExtras
+from extensions.openai.protocol import (
+    OPENAI_SHAPED,
+    ChatCompletionRequest,
+    ChatMessage,
+    ResponseFormat,
+    TextgenExtras,
+)
 from modules import models, shared
 from modules.chat.prompt import ChatOptions, build_chat_prompt, instruction_template
-from modules.errors import InvalidRequest, ModelNotLoaded
+from modules.errors import ContextOverflow, InvalidRequest, ModelNotLoaded
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import Delta, DeltaBuilder, GenerationStats, current_model, launch_to, prepare
 from modules.generation.presets import load_preset
@@ -86,8 +92,9 @@ async def serving_backend(request: Request, requested: str | None) -> Backend:
 
 # ------------------------------------------------------------------ parameters
 def generation_params(req: TextgenExtras, *, max_tokens: int | None, default_max: int) -> GenerationParams:
-    """GenerationParams from a request: preset < textgen sampler fields < OpenAI fields."""
-    values: dict[str, Any] = {}
+    """GenerationParams from a request: the model's recommended sampling < preset < textgen sampler fields < OpenAI
+    fields."""
+    values: dict[str, Any] = models.recommended_sampling()[0]
     if req.preset:
         values.update(load_preset(req.preset))
     for name in GenerationParams.field_names():
@@ -125,6 +132,34 @@ def validate_schema(schema: Any, param: str) -> dict[str, Any]:
     except jsonschema.SchemaError as exc:
         raise InvalidRequest(f"invalid JSON schema: {exc.message}", param=param) from exc
     return schema
+
+
+def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON schema a ``response_format`` constrains the output to; None for text.
+
+    ``json_object`` alone is any JSON object; with a ``schema`` (llama-cpp-python's and Together's form, which
+    instructor sends too) that schema is honoured exactly as ``json_schema`` is.
+    """
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        if fmt.schema_ is None:
+            return {"type": "object"}
+        return validate_schema(fmt.schema_, "response_format.schema")
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise InvalidRequest("json_schema.schema is required", param="response_format.json_schema")
+    return validate_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+
+
+def check_constraints(params: GenerationParams, backend: Backend) -> None:
+    """400 when the output is to be constrained (schema or grammar) and the backend cannot, or both are set."""
+    if (params.json_schema is not None or params.grammar) and not backend.supports_grammar:
+        raise InvalidRequest(
+            f"the {backend.loader_name} backend cannot constrain output (response_format, grammar, required tools)",
+            param="response_format",
+        )
+    if params.grammar and params.json_schema is not None:
+        raise InvalidRequest("grammar cannot be combined with response_format or required tools", param="grammar")
 
 
 # ------------------------------------------------------------------ chat prompts
@@ -232,29 +267,17 @@ def prepare_chat(req: ChatCompletionRequest, backend: Backend) -> ChatJob:
     params = params.replace(logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0)
 
     json_mode = False
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
+    schema = response_schema(req.response_format)
+    if schema is not None:
         if plan.forced:
             raise InvalidRequest(
                 "response_format cannot be combined with a required tool call", param="response_format"
             )
-        if fmt.type == "json_object":
-            schema: dict[str, Any] = {"type": "object"}
-        else:
-            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise InvalidRequest("json_schema.schema is required", param="response_format.json_schema")
-            schema = validate_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
         params = params.replace(json_schema=schema)
         json_mode = True
     if plan.forced:
         params = params.replace(json_schema=tooling.forced_schema(plan))
-    if (params.json_schema is not None or params.grammar) and not backend.supports_grammar:
-        raise InvalidRequest(
-            f"the {backend.loader_name} backend cannot constrain output (response_format, grammar, required tools)",
-            param="response_format",
-        )
-    if params.grammar and params.json_schema is not None:
-        raise InvalidRequest("grammar cannot be combined with response_format or required tools", param="grammar")
+    check_constraints(params, backend)
 
     mode = req.mode or "instruct"
     template = instruction_template(backend, req.instruction_template) if mode != "chat" else None
@@ -302,6 +325,22 @@ def prepare_chat(req: ChatCompletionRequest, backend: Backend) -> ChatJob:
         json_mode=json_mode,
         images=images,
     )
+
+
+def count_chat_tokens(req: ChatCompletionRequest, backend: Backend) -> int:
+    """The prompt tokens a chat request would be given: rendered and tokenized as when it runs (hooks included).
+
+    A prompt too long for the context is still counted.
+    """
+    job = prepare_chat(req, backend)
+    try:
+        prepared = prepare(job.prompt, job.params, backend, strict=True, is_chat=True, images=job.images or None)
+    except ContextOverflow as exc:
+        return exc.prompt_tokens
+    close = getattr(prepared.custom, "close", None)
+    if close is not None:  # an extension's reply that will never run
+        close()
+    return len(prepared.prompt_ids)
 
 
 def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:

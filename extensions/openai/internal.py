@@ -20,17 +20,27 @@ _CREATED = int(time.time())
 
 
 def _model_card(name: str, owned_by: str = "textgen") -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": _CREATED, "owned_by": owned_by}
+    card: dict[str, Any] = {"id": name, "object": "model", "created": _CREATED, "owned_by": owned_by}
+    if owned_by == "textgen":
+        card["loaded"] = shared.model is not None and name == shared.model_name
+    return card
+
+
+def loaded_first(names: list[str]) -> list[str]:
+    """``names`` with the loaded model first (many clients take the first model), the others in their order."""
+    loaded = shared.model_name if shared.model is not None else None
+    return sorted(names, key=lambda name: name != loaded)
 
 
 def list_models() -> dict[str, Any]:
-    """GET /v1/models: the local models (and a remote engine's), then the embedding model."""
+    """GET /v1/models: the loaded model (``"loaded": true``), the other local models (and a remote engine's),
+    then the embedding model."""
     names = models.model_names()
     if shared.model is not None:
         names += [n for n in shared.model.served_models() if n not in names]
     if shared.model_name and shared.model_name not in names:
         names.insert(0, shared.model_name)
-    data = [_model_card(n) for n in names] + [_model_card(MODEL_NAME, "sentence-transformers")]
+    data = [_model_card(n) for n in loaded_first(names)] + [_model_card(MODEL_NAME, "sentence-transformers")]
     return {"object": "list", "data": data}
 
 
@@ -85,7 +95,10 @@ class LoadModelRequest(_Base):
 async def load_model(req: LoadModelRequest) -> dict[str, str]:
     """POST /v1/internal/model/load: unload the current model, load this one with optional per-load settings."""
     overrides = dict(req.args or {})
-    models.find_model(req.model_name)  # 404 before anything is unloaded
+    from modules.lifecycle import hub
+
+    if not (hub.looks_like_repo(req.model_name) and hub.local_name(req.model_name) is None):
+        models.find_model(req.model_name)  # 404 before anything is unloaded; a repo not here is downloaded first
     await anyio.to_thread.run_sync(lambda: models.load_model(req.model_name, overrides))
     if req.settings:
         shared.ui_defaults.update(req.settings)

@@ -1,6 +1,7 @@
 """The API's routes: thin handlers that validate, call a serving module and return its answer.
 
-Every route is served under ``/v1`` and also without the prefix (some clients call ``/chat/completions``).
+Every OpenAI route is served under ``/v1`` and also without the prefix (some clients call ``/chat/completions``);
+Ollama's are under ``/api``.
 """
 
 from __future__ import annotations
@@ -10,17 +11,30 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import PlainTextResponse
-from starlette.datastructures import MutableHeaders
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from extensions.openai import anthropic, chat, completions, embeddings, errors, internal, responses
+from extensions.openai import (
+    anthropic,
+    chat,
+    completions,
+    downloads,
+    embeddings,
+    errors,
+    internal,
+    ollama,
+    ollama_models,
+    responses,
+)
 from extensions.openai.auth import require_admin, require_key
 from extensions.openai.metrics import METRICS
 from extensions.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from modules import shared
 
-API_PREFIXES = ("/v1/", "/chat/", "/completions", "/embeddings", "/models", "/responses", "/messages", "/metrics")
+API_PREFIXES = (
+    "/v1/", "/chat/", "/completions", "/embeddings", "/models", "/responses", "/messages", "/metrics", "/api/",
+)  # fmt: skip
 
 
 def _router() -> APIRouter:
@@ -68,7 +82,22 @@ def _router() -> APIRouter:
     router.add_api_route("/internal/stop-generation", internal.stop_generation, methods=["POST"])
     router.add_api_route("/internal/logits", internal.logits, methods=["POST"])
     router.add_api_route("/internal/chat-prompt", internal.chat_prompt, methods=["POST"])
+    downloads.register(router, admin)  # /internal/model/download (a job), its progress and cancel
     return router
+
+
+async def _anthropic_body(request: Request) -> dict[str, Any] | JSONResponse:
+    """The JSON object a Messages request carries, or the Anthropic-shaped error to answer instead."""
+    try:
+        require_key(request)
+        body = await request.json()
+    except errors.APIError as exc:
+        return anthropic.anthropic_error(exc)
+    except ValueError:
+        return anthropic.anthropic_error(errors.APIError(400, "the request body is not valid JSON"))
+    if not isinstance(body, dict):
+        return anthropic.anthropic_error(errors.APIError(400, "the request body must be a JSON object"))
+    return body
 
 
 def _messages_router() -> APIRouter:
@@ -76,17 +105,34 @@ def _messages_router() -> APIRouter:
 
     @router.post("/messages")
     async def messages_create(request: Request) -> Any:
-        try:
-            require_key(request)
-            body = await request.json()
-        except errors.APIError as exc:
-            return anthropic.anthropic_error(exc)
-        except ValueError:
-            return anthropic.anthropic_error(errors.APIError(400, "the request body is not valid JSON"))
-        if not isinstance(body, dict):
-            return anthropic.anthropic_error(errors.APIError(400, "the request body must be a JSON object"))
-        return await anthropic.create(body, request)
+        body = await _anthropic_body(request)
+        return body if isinstance(body, JSONResponse) else await anthropic.create(body, request)
 
+    @router.post("/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Any:
+        body = await _anthropic_body(request)
+        return body if isinstance(body, JSONResponse) else await anthropic.count_tokens(body, request)
+
+    return router
+
+
+def _ollama_router() -> APIRouter:
+    """Ollama's API; every answer, errors included, in Ollama's shape."""
+    router = APIRouter(route_class=ollama.OllamaRoute, dependencies=[Depends(require_key)])
+    for path, endpoint in (
+        ("/api/version", ollama_models.version),
+        ("/api/tags", ollama_models.tags),
+        ("/api/ps", ollama_models.ps),
+    ):
+        router.add_api_route(path, endpoint, methods=["GET"])
+        router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)  # clients probe with HEAD
+    router.add_api_route("/api/show", ollama_models.show, methods=["POST"])
+    router.add_api_route("/api/chat", ollama.chat, methods=["POST"])
+    router.add_api_route("/api/generate", ollama.generate, methods=["POST"])
+    router.add_api_route("/api/embed", ollama.embed, methods=["POST"])
+    router.add_api_route("/api/embeddings", ollama.embeddings_legacy, methods=["POST"])
+    methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
+    router.add_api_route("/api/{path:path}", ollama.not_served, methods=methods, include_in_schema=False)
     return router
 
 
@@ -130,12 +176,53 @@ class RequestMetrics:
             METRICS.observe_request(path.removeprefix("/v1"), status)
 
 
+class PreflightGate:
+    """CORS preflights to the API from an origin that ``--api-cors-origins`` does not list: 403, granting nothing.
+
+    A preflight from a listed origin goes on to Starlette's CORSMiddleware, which grants it. Browsers treat any
+    non-2xx preflight as a refusal, and the 403 with a JSON body says in the network panel (and to curl) which flag
+    allows the origin. Without the gate, with no origins configured, the router answered 405 (``--nowebui``) or
+    the preflight fell through to the web UI's mount, whose Gradio CORS middleware answered 200 and, for a server
+    reached by a non-localhost name (``--listen``), granted any origin; CORSMiddleware answered an unlisted origin
+    a bare 400.
+    """
+
+    def __init__(self, app: ASGIApp, origins: list[str]) -> None:
+        self.app = app
+        self.origins = origins
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "OPTIONS" and scope["path"].startswith(API_PREFIXES):
+            headers = Headers(scope=scope)
+            origin = headers.get("origin")
+            if origin and "access-control-request-method" in headers and not self.allows(origin):
+                await self.refuse(scope, origin)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def allows(self, origin: str) -> bool:
+        """True when a page on ``origin`` may call the API."""
+        return "*" in self.origins or origin in self.origins
+
+    def refuse(self, scope: Scope, origin: str) -> JSONResponse:
+        """The 403 for a preflight from ``origin`` (Ollama-shaped on Ollama's paths)."""
+        listed = f"; allowed: {', '.join(self.origins)}" if self.origins else ""
+        message = (
+            f"cross-origin requests from {origin} are not allowed{listed}. "
+            f"Start textgen with --api-cors-origins {origin} to allow them."
+        )
+        error = errors.APIError(403, message, type_="permission_error", code="cors_origin_not_allowed")
+        body = {"error": message} if scope["path"].startswith("/api/") else error.body()
+        return JSONResponse(body, status_code=403, headers={"Vary": "Origin"})
+
+
 def install(app: FastAPI) -> None:
-    """Add every API route, the error handlers, request metrics and (if configured) CORS to ``app``."""
+    """Add every API route, the error handlers, request metrics and CORS (granted to configured origins) to ``app``."""
     errors.install(app)
     for prefix in ("/v1", ""):
         app.include_router(_router(), prefix=prefix)
         app.include_router(_messages_router(), prefix=prefix)
+    app.include_router(_ollama_router())
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
 
     app.add_middleware(RequestMetrics)
@@ -149,3 +236,4 @@ def install(app: FastAPI) -> None:
             allow_headers=["*"],
             allow_credentials="*" not in origins,
         )
+    app.add_middleware(PreflightGate, origins=list(origins))  # outermost: before CORSMiddleware sees a preflight

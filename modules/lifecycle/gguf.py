@@ -111,6 +111,27 @@ def _tensor_bytes(info: dict[str, Any]) -> int:
     return count // block * type_size
 
 
+# llama.cpp's recommended-sampling keys (general.sampling.*) -> GenerationParams fields
+SAMPLING_KEYS = {
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "xtc_probability": "xtc_probability",
+    "xtc_threshold": "xtc_threshold",
+    "penalty_repeat": "repetition_penalty",
+    "penalty_last_n": "repetition_penalty_range",
+    "mirostat": "mirostat_mode",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
+}
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python number it holds."""
+    return value.item() if hasattr(value, "item") else value
+
+
 def read_metadata(path: Path) -> ModelMetadata:
     """Parse and check a GGUF model; raise GGUFError if it is not complete and well formed."""
     meta, tensors, start = read_header(path)
@@ -138,6 +159,11 @@ def read_metadata(path: Path) -> ModelMetadata:
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     result.add_bos_token = bool(add_bos) if add_bos is not None else True
     result.extra = {"file_type": meta.get("general.file_type"), "tensors": len(tensors)}
+    result.sampling = {
+        name: _plain(meta[f"general.sampling.{key}"])
+        for key, name in SAMPLING_KEYS.items()
+        if f"general.sampling.{key}" in meta
+    }
     return result
 
 

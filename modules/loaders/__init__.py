@@ -13,9 +13,20 @@ from modules.loaders.base import Backend
 _BUILTIN: dict[str, tuple[str, str, str]] = {
     "llama.cpp": ("modules.loaders.llama_cpp", "LlamaCppBackend", "llama_cpp"),
     "transformers": ("modules.loaders.transformers", "TransformersBackend", "transformers"),
-    "exllamav2": ("modules.loaders.exllamav2", "ExLlamaV2Backend", "torch"),  # exllamav2 itself is checked on load
+    "exllamav2": ("modules.loaders.exllamav2", "ExLlamaV2Backend", "exllamav2"),
+    "exllamav3": ("modules.loaders.exllamav3", "ExLlamaV3Backend", "exllamav3"),
     "remote": ("modules.loaders.remote", "RemoteBackend", "httpx"),
 }
+EXLLAMA_OPTIONS = (
+    "max_seq_len",
+    "cache_size",
+    "gpu_split",
+    "cache_type",
+    "cache_8bit",
+    "cache_q4",
+    "parallel",
+    "max_queue",
+)
 # The settings each loader reads (the Model tab shows only these); the backend classes use the same tuples.
 OPTIONS: dict[str, tuple[str, ...]] = {
     "llama.cpp": (
@@ -44,10 +55,17 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "trust_remote_code",
         "max_queue",
     ),
-    "exllamav2": ("max_seq_len", "gpu_split", "cache_8bit", "cache_q4", "parallel", "max_queue"),
+    "exllamav2": EXLLAMA_OPTIONS,
+    "exllamav3": EXLLAMA_OPTIONS,
     "remote": ("remote_url", "remote_api_key", "n_ctx", "parallel", "max_queue"),
 }
-_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "hf": "transformers", "exl2": "exllamav2"}
+_ALIASES = {
+    "llamacpp": "llama.cpp",
+    "llama_cpp": "llama.cpp",
+    "hf": "transformers",
+    "exl2": "exllamav2",
+    "exl3": "exllamav3",
+}
 _extra: dict[str, type[Backend] | Callable[[], type[Backend]]] = {}
 
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 import gradio as gr
 
 from modules import extensions
-from modules.ui import chat_sidebar, chat_tab, model_tab, notebook_tab, parameters_tab, session_tab
+from modules.ui import (
+    chat_sidebar,
+    chat_tab,
+    code_notebook_tab,
+    model_tab,
+    notebook_tab,
+    parameters_tab,
+    session_tab,
+    training_tab,
+)
 
 CSS = """
 #chat-status, #context-usage { font-size: 0.85em; opacity: 0.8; }
@@ -28,12 +37,16 @@ def build_ui() -> gr.Blocks:
                         extensions.call(ext, "ui")
         with gr.Tab("Notebook", id="notebook"):
             notebook = notebook_tab.build_notebook()
+        with gr.Tab("Code", id="code-notebook"):
+            code_notebook = code_notebook_tab.build(demo)
         with gr.Tab("Default", id="default"):
             default = notebook_tab.build_default()
         with gr.Tab("Parameters", id="parameters"):
             params = parameters_tab.build()
         with gr.Tab("Model", id="model"):
-            model_tab.build()
+            model_page_load, model_page_outputs = model_tab.build()
+        with gr.Tab("Training", id="training"):
+            training_tab.build()
         for ext in extensions.implementers("ui"):
             if ext.params.get("is_tab"):
                 with gr.Tab(ext.display_name, elem_classes=["extension-tab"]):
@@ -44,14 +57,17 @@ def build_ui() -> gr.Blocks:
         restore, restore_inputs, restore_outputs = chat_sidebar.wire(chat, side)
         notebook_tab.wire(notebook, params, "-notebook")
         notebook_tab.wire(default, params, "-default")
+        code_notebook_tab.wire(code_notebook, params)
         demo.load(restore, restore_inputs, restore_outputs)
         demo.load(parameters_tab.ignored_text, None, params.ignored)
+        demo.load(params.page_load, None, params.page_load_outputs)
+        demo.load(model_page_load, None, model_page_outputs)
     return demo
 
 
 def custom_css() -> str:
     """Our CSS plus every extension's."""
-    return "\n".join([CSS, *extensions.collect("custom_css")])
+    return "\n".join([CSS, code_notebook_tab.CSS, *extensions.collect("custom_css")])
 
 
 def custom_js() -> str | None:

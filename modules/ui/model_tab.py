@@ -4,14 +4,16 @@ LoRA adapters, and memory in use."""
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
 
-from modules import loaders, models, shared
+from modules import models, shared
 from modules.errors import TextgenError
 from modules.lifecycle.memory import memory_text
 from modules.settings import Settings
+from modules.ui import download_panel, export_panel
 
 AUTO = "auto (from the format)"
 
@@ -36,8 +38,8 @@ def model_rows() -> list[list[Any]]:
 
 def _all_options() -> list[str]:
     names: list[str] = []
-    for loader in loaders.names():
-        for option in loaders.option_names(loader):
+    for loader in models.loader_names():
+        for option in models.loader_options(loader):
             if option not in names:
                 names.append(option)
     return names
@@ -58,8 +60,19 @@ def _option_component(name: str) -> Any:
     )
 
 
-def build() -> None:
-    """Create the tab and its events."""
+def shown_options(choice: str, name: str | None) -> set[str]:
+    """The options to show: the chosen loader's, or with "auto" the loader the selected model will use."""
+    chosen = choice
+    if choice == AUTO:
+        try:
+            chosen = models.planned_loader(name) if name else ""
+        except TextgenError:
+            chosen = ""
+    return set(models.loader_options(chosen)) if chosen else set(_all_options())
+
+
+def build() -> tuple[Callable[[], list[Any]], list[Any]]:
+    """Create the tab and its events; returns the page-load event (function, outputs) for ui/app.py to wire."""
     table = gr.Dataframe(
         model_rows(), headers=["model", "format", "size", "loader"], interactive=False, elem_id="models-table"
     )
@@ -67,7 +80,9 @@ def build() -> None:
         dropdown = gr.Dropdown(
             models.model_names(), value=shared.model_name, label="Model", elem_id="model-dropdown", scale=4
         )
-        loader = gr.Dropdown([AUTO, *loaders.names()], value=AUTO, label="Loader", elem_id="loader-dropdown", scale=2)
+        loader = gr.Dropdown(
+            [AUTO, *models.loader_names()], value=AUTO, label="Loader", elem_id="loader-dropdown", scale=2
+        )
         refresh_btn = gr.Button("Refresh", scale=1, size="sm")
     option_names = _all_options()
     with gr.Accordion("Loader options (0 or empty: automatic)", open=True):
@@ -85,17 +100,18 @@ def build() -> None:
         loras = gr.CheckboxGroup(models.list_loras(), label="Adapters in loras/", elem_id="lora-list")
         apply_loras = gr.Button("Apply LoRAs", elem_id="lora-apply")
     memory = gr.Markdown(memory_text, elem_id="memory")
-    gr.Markdown("*Download from the Hub, smart configuration and export come here with the model lifecycle work.*")
+    export_panel.build()
+    download_panel.build(dropdown)  # the plan for this machine, estimate vs measured memory, Hub download
 
     def visible_options(choice: str, name: str | None) -> list[Any]:
-        chosen = choice
-        if choice == AUTO and name:
-            try:
-                chosen = models.find_model(name).loader
-            except TextgenError:
-                chosen = ""
-        shown = set(loaders.option_names(chosen)) if chosen and chosen != AUTO else set(option_names)
+        shown = shown_options(choice, name)
         return [gr.update(visible=n in shown) for n in option_names]
+
+    def on_page_load() -> list[Any]:
+        """The loaded (or loading) model selected, and only its loader's options shown."""
+        name = shared.model_name or shared.loading_model
+        choices = models.model_names()
+        return [gr.update(choices=choices, value=name if name in choices else None), *visible_options(AUTO, name)]
 
     def overrides(values: tuple[Any, ...]) -> dict[str, Any]:
         result = {}
@@ -150,3 +166,4 @@ def build() -> None:
     refresh_btn.click(refresh, None, [dropdown, table, loras], queue=False)
     timer = gr.Timer(3.0)
     timer.tick(lambda: (status_text(), memory_text()), None, [status, memory], queue=False, show_progress="hidden")
+    return on_page_load, [dropdown, *components]
