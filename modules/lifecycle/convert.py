@@ -9,12 +9,15 @@ downloaded. Output goes to ``NAME.partial`` and is renamed only when the convert
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +71,22 @@ def tools_dir() -> Path:
 def partial_path(output: Path) -> Path:
     """Where a file is written before it is complete (renamed to ``output`` at the end)."""
     return output.with_name(output.name + ".partial")
+
+
+@contextlib.contextmanager
+def staged_folder(output: Path, cancel: threading.Event) -> Iterator[Path]:
+    """A folder to write ``output`` into (``OUTPUT.partial``); it replaces ``output`` when the block ends without an
+    error or a cancel, and is removed otherwise: nothing half-written ever has the final name."""
+    tmp = partial_path(output)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+        jobs.check(cancel)
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.replace(output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run(command: list[str], output: Path, report: jobs.Reporter, cancel: threading.Event, label: str) -> Path:

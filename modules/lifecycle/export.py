@@ -159,18 +159,10 @@ def _safetensors(source: Path, output: Path, report: jobs.Reporter, cancel: thre
     report(done=0, total=2, message="loading")
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float16, local_files_only=True)
     jobs.check(cancel)
-    tmp = partial_path(output)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with convert.staged_folder(output, cancel) as tmp:
         report(done=1, total=2, message="saving safetensors")
         model.save_pretrained(str(tmp), safe_serialization=True)
         AutoTokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(tmp))
-        jobs.check(cancel)
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.replace(output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     report(done=2, total=2, message="done")
     return ExportResult(output=str(output), format="safetensors", files=sorted(str(p) for p in output.iterdir()))
 
@@ -185,17 +177,9 @@ def _onnx(source: Path, output: Path, report: jobs.Reporter, cancel: threading.E
             "environment: `python -m venv onnx-env && onnx-env/bin/pip install 'optimum-onnx[onnxruntime]'`, then "
             f"`onnx-env/bin/optimum-cli export onnx --model {source} {output}`"
         ) from exc
-    tmp = partial_path(output)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with convert.staged_folder(output, cancel) as tmp:
         report(done=0, total=1, message="exporting to ONNX (optimum)")
         main_export(str(source), output=str(tmp), task="text-generation-with-past", device="cpu", local_files_only=True)
-        jobs.check(cancel)
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.replace(output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     report(done=1, total=1, message="done")
     return ExportResult(output=str(output), format="onnx", files=sorted(str(p) for p in output.iterdir()))
 
@@ -207,14 +191,8 @@ def _mlx(source: Path, output: Path, quant: str, report: jobs.Reporter, cancel: 
         from mlx_lm import convert as mlx_convert
     except ImportError as exc:
         raise BackendUnavailable("MLX export needs the optional package mlx-lm: `pip install mlx-lm`") from exc
-    tmp = partial_path(output)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with convert.staged_folder(output, cancel) as tmp:
         report(done=0, total=1, message="converting to MLX")
         bits = {"Q4_0": 4, "Q4_K_M": 4, "Q8_0": 8}.get(quant.upper())
         mlx_convert(str(source), mlx_path=str(tmp), quantize=bits is not None, q_bits=bits or 4)
-        jobs.check(cancel)
-        tmp.replace(output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return ExportResult(output=str(output), format="mlx", files=sorted(str(p) for p in output.iterdir()))

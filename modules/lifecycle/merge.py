@@ -18,7 +18,7 @@ from typing import Any
 
 from modules import jobs
 from modules.errors import InvalidRequest, TextgenError
-from modules.lifecycle.convert import partial_path
+from modules.lifecycle.convert import staged_folder
 
 MERGE_INFO = "textgen_merge.json"
 TOKENIZER_FILES = ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -105,9 +105,7 @@ def merge(args: MergeArgs, report: jobs.Reporter, cancel: threading.Event) -> Pa
         del merged.config.quantization_config
     jobs.check(cancel)
     report(done=2, total=4, message="saving safetensors")
-    tmp = partial_path(output)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with staged_folder(output, cancel) as tmp:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         source = lora if (lora / "tokenizer_config.json").is_file() else base
         AutoTokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(tmp))
@@ -117,11 +115,6 @@ def merge(args: MergeArgs, report: jobs.Reporter, cancel: threading.Event) -> Pa
         (tmp / MERGE_INFO).write_text(json.dumps(merge_info(base, lora, args.dtype, was_quantized), indent=2))
         jobs.check(cancel)
         report(done=3, total=4, message="finishing")
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.replace(output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     report(done=4, total=4, message=f"merged into {output.name}")
     return output
 

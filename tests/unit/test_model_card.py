@@ -128,3 +128,28 @@ def test_optional_targets_say_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(BackendUnavailable, match="Apple silicon"):
         export(ExportArgs(tmp_path, format="mlx"), lambda *a, **k: None, threading.Event())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_a_staged_folder_gets_the_final_name_only_when_complete(tmp_path: Path) -> None:
+    import threading
+
+    from modules import jobs
+    from modules.lifecycle.convert import staged_folder
+
+    output, cancel = tmp_path / "merged", threading.Event()
+    (output / "old.txt").parent.mkdir()
+    (output / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), staged_folder(output, cancel) as tmp:
+        tmp.mkdir()  # the writer makes it (save_pretrained does)
+        (tmp / "half.bin").write_text("half")
+        raise RuntimeError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"] and (output / "old.txt").is_file()
+    cancel.set()
+    with pytest.raises(jobs.Cancelled), staged_folder(output, cancel) as tmp:
+        tmp.mkdir()
+        (tmp / "half.bin").write_text("half")
+    assert (output / "old.txt").is_file() and not (output / "half.bin").exists()
+    with staged_folder(output, threading.Event()) as tmp:
+        tmp.mkdir()
+        (tmp / "new.bin").write_text("new")
+    assert sorted(p.name for p in output.iterdir()) == ["new.bin"] and len(list(tmp_path.iterdir())) == 1
