@@ -148,14 +148,24 @@ def test_import_a_png_card(page, shared_server, tmp_path: Path) -> None:
 def test_notebook_generation(page, shared_server) -> None:
     open_ui(page, shared_server.url)
     page.get_by_role("tab", name="Notebook").click()
-    page.fill("#notebook-text textarea", "The three primary colours are")
-    page.wait_for_function("() => /\\d+ tokens/.test(document.querySelector('#notebook-tokens')?.innerText || '')")
+    box = page.locator("#notebook-text textarea")
+    box.wait_for(state="visible")
+    prompt = "The three primary colours of light are red, green and"
+    # Type it as a person would; the counter then proves the server saw the new text (the default is ~5 tokens),
+    # so the click below cannot race a textarea that the tab's first render resets.
+    box.click()
+    page.keyboard.press("ControlOrMeta+a")
+    page.keyboard.type(prompt)
+    page.wait_for_function(
+        "() => { const m = /(\\d+) tokens/.exec(document.querySelector('#notebook-tokens')?.innerText || '');"
+        " return m && Number(m[1]) >= 9; }"
+    )
     page.click("#notebook-generate")
     page.wait_for_function(
         "() => (document.querySelector('#notebook-status')?.innerText || '').includes('finish:')", timeout=60_000
     )
     text = page.input_value("#notebook-text textarea")
-    assert text.startswith("The three primary colours are") and len(text) > len("The three primary colours are") + 5
+    assert text.startswith(prompt) and len(text) > len(prompt) + 5
 
 
 def test_loading_a_preset_moves_the_sliders(page, shared_server) -> None:
