@@ -2,7 +2,8 @@
 
 - ``POST /v1/internal/model/download`` ``{"repo": "ORG/NAME[:BRANCH]", "quant": "Q4_K_M", ...}``: the repo is
   resolved first (404 for a missing repo or branch, 403 for a gated one without access, 400 for a bad name or
-  quantization), then the download runs in the background: 202 with ``job_id`` and what it will fetch;
+  quantization), then the download runs in the background: 202 with ``job_id`` and what it will fetch (the
+  same download while it runs answers with the same ``job_id``; another download while one runs is 409);
 - ``GET /v1/internal/model/download/{job_id}``: state (running, done, failed, cancelled), bytes done and total,
   fraction, ETA, the current file, and when done the model's name to load;
 - ``POST /v1/internal/model/download/{job_id}/cancel``: stop it; what arrived is kept for the next try.
@@ -62,12 +63,7 @@ async def start_download(req: DownloadRequest) -> JSONResponse:
     )
     try:
         plan = await anyio.to_thread.run_sync(hub.prepare, args)
-        job = jobs.start(
-            "download",
-            plan.repo_id,
-            lambda report, cancel: hub.fetch(plan, report, cancel).to_dict(),
-            exclusive=True,
-        )
+        job = hub.start_job(plan, exclusive=True)  # the same request while it runs gets the same job
     except (hub.HubError, hub.HubRepoNotFound, InvalidRequest, jobs.Busy) as exc:
         raise _api_error(exc) from exc
     body = {"job_id": job.id, "state": job.state, "progress": f"/v1/internal/model/download/{job.id}", **plan.to_dict()}
@@ -76,7 +72,7 @@ async def start_download(req: DownloadRequest) -> JSONResponse:
 
 def _job(job_id: str) -> jobs.Job:
     job = jobs.get(job_id)
-    if job is None or job.kind != "download":
+    if job is None or job.kind != hub.JOB_KIND:
         raise APIError(
             404, f"no download job {job_id!r}", type_="not_found_error", param="job_id", code="job_not_found"
         )

@@ -1,6 +1,7 @@
 """The lifecycle CLI's merge, export, quantize, card and push commands (registered in ``__main__.COMMANDS``).
 
-Each runs the same job function as the Model tab and the Workbench in the foreground with a tqdm bar.
+Each runs the same job function as the Model tab and the Workbench with :func:`modules.jobs.run_foreground` (a tqdm
+bar; Ctrl+C cancels the step).
 ``EXPORT_COMMANDS`` holds ``(name, help, configure, run)`` tuples; nothing heavy is imported until a command runs.
 """
 
@@ -17,11 +18,7 @@ from modules import jobs
 
 
 def _run_job(title: str, fn: Callable[[jobs.Reporter, threading.Event], Any], unit: str = "it") -> Any:
-    report, close = jobs.tqdm_reporter(title, unit=unit, unit_scale=unit == "B")
-    try:
-        return fn(report, threading.Event())
-    finally:
-        close()
+    return jobs.run_foreground(title, fn, unit=unit)  # Ctrl+C: the step stops, no half-written file keeps its name
 
 
 def _print(data: Any, as_json: bool, text: str) -> None:

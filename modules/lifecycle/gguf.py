@@ -167,40 +167,6 @@ def read_metadata(path: Path) -> ModelMetadata:
     return result
 
 
-def write_lora_gguf(
-    path: Path, architecture: str, alpha: float, tensors: dict[str, tuple[Any, Any]], name: str = "lora"
-) -> Path:
-    """Write a LoRA adapter in llama.cpp's GGUF form.
-
-    ``tensors`` maps a base tensor name (``blk.0.attn_q.weight``) to ``(A, B)`` numpy arrays shaped
-    ``(rank, in_features)`` and ``(out_features, rank)`` (PEFT's ``lora_A`` / ``lora_B`` layout).
-    """
-    import numpy as np
-    from gguf import GGUFWriter
-
-    from modules.fileio import atomic_write_bytes
-
-    tmp = path.with_name(f".{path.name}.writing")
-    writer = GGUFWriter(str(tmp), architecture)
-    writer.add_string("general.type", "adapter")
-    writer.add_string("general.name", name)
-    writer.add_string("adapter.type", "lora")
-    writer.add_float32("adapter.lora.alpha", float(alpha))
-    for base, (a, b) in tensors.items():
-        a, b = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(f"{base}: A must be (rank, in) and B (out, rank); got {a.shape} and {b.shape}")
-        writer.add_tensor(f"{base}.lora_a", a)
-        writer.add_tensor(f"{base}.lora_b", b)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    atomic_write_bytes(path, tmp.read_bytes())
-    tmp.unlink()
-    return path
-
-
 def requantize(source: Path, target: Path, ftype: int, allow_requantize: bool = True) -> Path:
     """Write ``source`` in another llama.cpp file type (1 = F16, 7 = Q8_0, ...) with llama_model_quantize."""
     import ctypes

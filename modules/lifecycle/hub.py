@@ -10,10 +10,14 @@ in ``models/.downloads/NAME/PATH.part`` (next to a note of the file's ETag) and 
 retry within a run, asks only for the missing bytes. A file is checked against its sha256 (LFS) or git blob id
 before it is kept; the model appears under its final name only when every file is complete: a folder
 ``models/ORG_NAME[_BRANCH]/``, a single GGUF straight in ``models/``, a PEFT adapter in ``loras/ORG_NAME/``.
+
+Every download in the server runs as a job (:func:`start_job`): two callers asking for the same files share one job,
+and fetches into the same staging folder take turns, so a repo is never fetched twice at once nor half-overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,7 +25,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,9 @@ STAGING = ".downloads"  # under the models (or loras) folder; list_models skips 
 INDEX = "index.json"  # STAGING/index.json: repo spec -> local model name, for "download on first use"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HASH_CHUNK = 8 << 20
+JOB_KIND = "download"  # the jobs.start kind of every download (the API's, the Model tab's, first use)
+_staging_guard = threading.Lock()
+_staging_locks: dict[str, threading.Lock] = {}  # one fetch at a time per staging folder (per repo and branch)
 
 
 class HubError(TextgenError):
@@ -397,14 +404,39 @@ def _fetch_file(
     note.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def _staging_turn(plan: DownloadPlan, report: jobs.Reporter | None, cancel: threading.Event) -> Iterator[None]:
+    """Hold the staging folder of ``plan`` (waiting, cancellably, while another fetch in this process uses it)."""
+    with _staging_guard:
+        lock = _staging_locks.setdefault(str(plan.staging.resolve()), threading.Lock())
+    told = False
+    while not lock.acquire(timeout=0.2):
+        jobs.check(cancel)
+        if report and not told:
+            told = True
+            report(message=f"waiting for another download of {plan.repo_id} to finish")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def fetch(
     plan: DownloadPlan,
     report: jobs.Reporter | None = None,
     cancel: threading.Event | None = None,
 ) -> DownloadResult:
-    """Download what ``plan`` lists; files already complete (in the target or staged) are kept, not fetched."""
+    """Download what ``plan`` lists; files already complete (in the target or staged) are kept, not fetched.
+
+    Another fetch of the same repo and branch in this process is waited for first (then its files count as
+    complete here)."""
     _check_online()
     cancel = cancel or threading.Event()
+    with _staging_turn(plan, report, cancel):
+        return _fetch(plan, report, cancel)
+
+
+def _fetch(plan: DownloadPlan, report: jobs.Reporter | None, cancel: threading.Event) -> DownloadResult:
     files = plan.selection.files
     total = plan.selection.total_bytes
     done = 0
@@ -478,6 +510,26 @@ def download(
     return fetch(prepare(args), report, cancel)
 
 
+def job_key(plan: DownloadPlan) -> str:
+    """What a download job fetches: the same key means the same files to the same place (one job serves both)."""
+    files = sorted(f.path for f in plan.selection.files)
+    return json.dumps([plan.endpoint, plan.repo_id, plan.commit, str(plan.target), files])
+
+
+def start_job(plan: DownloadPlan, *, exclusive: bool = False, owner: str | None = None) -> jobs.Job:
+    """Fetch ``plan`` in a background job (result: :meth:`DownloadResult.to_dict`); while a job fetching the same
+    files runs, that one is returned instead, so a second caller joins it. ``exclusive``: :class:`jobs.Busy` when
+    any other download runs (the API's rule)."""
+    return jobs.start(
+        JOB_KIND,
+        plan.repo_id,
+        lambda report, cancel: fetch(plan, report, cancel).to_dict(),
+        exclusive=exclusive,
+        owner=owner,
+        key=job_key(plan),
+    )
+
+
 # ---------------------------------------------------------------- download on first use
 def _index_path() -> Path:
     return shared.models_dir() / STAGING / INDEX
@@ -529,21 +581,30 @@ def ensure_local(name: str, report: jobs.Reporter | None = None) -> str:
 
     if constants.is_offline_mode():
         return name  # "not in models/" as before; nothing is fetched offline
-    log.info("%s is not in %s: downloading it from the Hub", name, root)
-    last = [-1]
-
-    def log_progress(done: float | None = None, total: float | None = None, message: str = "", **_: Any) -> None:
+    plan = prepare(DownloadArgs(repo=name))
+    job = start_job(plan)  # joins the job already fetching it, if a concurrent load (or the API) started one
+    mib = plan.selection.total_bytes / 2**20
+    log.info("Downloading %s: not in %s, fetching %.1f MiB from the Hub (job %s)", name, root, mib, job.id)
+    last = -1
+    while not job.wait(0.5):  # the load waits; the job's progress is readable (GET /v1/internal/model/download/ID)
         if report:
-            report(done=done, total=total, message=message)
-        if done is not None and total:
-            tenth = int(done * 10 // total)
-            if tenth != last[0]:
-                last[0] = tenth
-                log.info("Downloading %s: %.1f / %.1f MiB (%d%%)", name, done / 2**20, total / 2**20, tenth * 10)
-
-    result = download(DownloadArgs(repo=name), log_progress)
-    if result.kind == "lora":
+            report(done=job.done, total=job.total, message=job.message)
+        if job.total:
+            tenth = int(job.done * 10 // job.total)
+            if tenth != last:
+                last = tenth
+                log.info(
+                    "Downloading %s: %.1f / %.1f MiB (%d%%)", name, job.done / 2**20, job.total / 2**20, tenth * 10
+                )
+    if job.state == "failed":
+        if isinstance(job.exception, Exception):
+            raise job.exception
+        raise HubError(f"the download of {name} failed: {job.error}")
+    if job.state == "cancelled":
+        raise HubError(f"the download of {name} was cancelled; what arrived is kept: load it again to resume")
+    result = job.result
+    if result["kind"] == "lora":
         raise InvalidRequest(
-            f"{name} is a LoRA adapter, not a model: it was saved to {result.path}; apply it in the LoRA panel"
+            f"{name} is a LoRA adapter, not a model: it was saved to {result['path']}; apply it in the LoRA panel"
         )
-    return result.name
+    return str(result["name"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 from pathlib import Path
 
 from modules import jobs, shared
@@ -54,15 +53,11 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     print(f"{plan.repo_id}@{plan.branch}: {len(plan.selection.files)} file(s), "
           f"{plan.selection.total_bytes / 2**20:,.1f} MiB -> {plan.target}")  # fmt: skip
-    report, close = jobs.tqdm_reporter(plan.repo_id, unit="B", unit_scale=True)
-    cancel = threading.Event()
     try:
-        result = fetch(plan, report, cancel)
+        result = jobs.run_foreground(plan.repo_id, lambda report, cancel: fetch(plan, report, cancel), unit="B")
     except KeyboardInterrupt:
-        close()
         print(f"\ninterrupted: the files so far are kept in {plan.staging}; run the same command to resume")
         return 130
-    close()
     print(f"saved: {result.path}" + (f" ({len(result.reused)} file(s) were already complete)" if result.reused else ""))
     return 0
 

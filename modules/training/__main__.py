@@ -1,7 +1,8 @@
 """The training CLI: ``python -m modules.training --model PATH --dataset FILE --name NAME ...``.
 
 Every flag is a field of TrainingArgs (its docstring is the help). Runs the same ``train`` function as the Training
-tab, in the foreground with a tqdm bar; works under ``accelerate launch -m modules.training ...`` unchanged.
+tab, in the foreground with a tqdm bar (Ctrl+C stops it at the next step with a checkpoint, ``--resume`` goes on);
+works under ``accelerate launch -m modules.training ...`` unchanged.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import typing
 from collections.abc import Sequence
 from dataclasses import MISSING, fields
@@ -65,18 +65,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         options["learning_rate"] = TrainingArgs.learning_rate
     shared.init(load_settings(folders, env=os.environ))
     args = TrainingArgs(**options)
-    report, close = jobs.tqdm_reporter(f"training {args.name}", unit="step")
-    try:
-        summary: dict[str, Any] = train(args, report, threading.Event())
+    try:  # Ctrl+C stops the run at its next step with a checkpoint, and the adapter so far is saved
+        summary: dict[str, Any] = jobs.run_foreground(
+            f"training {args.name}", lambda report, cancel: train(args, report, cancel), unit="step"
+        )
     except TextgenError as exc:
-        close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        close()
         print("interrupted; resume with --resume", file=sys.stderr)
         return 130
-    close()
     if int(os.environ.get("RANK", "0")) == 0:
         first, final = summary.get("first_loss"), summary.get("final_loss")
         print(f"first loss: {first:.4f}" if first is not None else "first loss: -")
@@ -89,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{summary['steps']} steps in {summary['seconds']} s ({summary['tokens_per_s']} tokens/s) -> {summary['output']}"
         )
         if summary.get("stopped"):
-            print(f"stopped: {summary['stopped']}")
+            hint = " (the same command with --resume goes on)" if "by the user" in summary["stopped"] else ""
+            print(f"stopped: {summary['stopped']}{hint}")
         if as_json:
             print(json.dumps(summary))
     return 0

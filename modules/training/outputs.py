@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,18 +99,19 @@ def readme(args: TrainingArgs, paths: Paths, data: TrainingData, summary: dict[s
     return "\n".join(lines)
 
 
-def write_gguf(args: TrainingArgs, model: Any, output: Path) -> str | None:
-    """The adapter as a GGUF LoRA; returns its file name, or None (with the reason logged) where it cannot be."""
-    from peft import get_peft_model_state_dict
-
-    from modules.training.gguf_lora import GgufNotSupported, convert
+def write_gguf(args: TrainingArgs, paths: Paths, output: Path) -> str | None:
+    """The saved adapter as a GGUF LoRA, written by llama.cpp's own ``convert_lora_to_gguf.py`` (every architecture
+    it knows); returns its file name, or None (with the reason logged) where it cannot be written."""
+    from modules.lifecycle.convert import ConversionError, LoraConvertArgs, convert_lora_to_gguf
 
     if args.bias != "none":
         log.warning("no GGUF LoRA: trained biases have no place in llama.cpp's LoRA format")
         return None
+    convert_args = LoraConvertArgs(lora=output, base=paths.model, output=output / GGUF_NAME)
     try:
-        convert(get_peft_model_state_dict(model), model.config, args.alpha, output / GGUF_NAME, args.name)
-    except GgufNotSupported as exc:
+        # its own Event: a stop ends the training, and the adapter trained so far is still converted
+        convert_lora_to_gguf(convert_args, lambda *a, **k: None, threading.Event())
+    except ConversionError as exc:
         log.warning("no GGUF LoRA for llama.cpp: %s", exc)
         return None
     return GGUF_NAME
@@ -125,7 +127,7 @@ def write_all(
     save_adapter(model, output)
     if data.eval:
         summary["perplexity"] = compare(model, data.eval, args.name, args.micro_batch_size)
-    summary["gguf"] = write_gguf(args, model, output) if args.gguf else None
+    summary["gguf"] = write_gguf(args, paths, output) if args.gguf else None
     history = trainer.state.log_history
     atomic_write_text(output / "training_log.json", json.dumps({"summary": summary, "log": history}, indent=2) + "\n")
     atomic_write_bytes(output / PLOT_NAME, loss_plot(history, args.name))

@@ -2,7 +2,7 @@
 
 ``train(args, report, cancel)`` is the one function the CLI, the Training tab and ``accelerate launch`` run. It writes
 ``loras/NAME/``: the PEFT adapter (safetensors), training_parameters.json, training_log.json, loss.png, README.md
-and, for llama-family models, adapter.gguf for llama.cpp; checkpoints go to ``loras/NAME/checkpoints/``.
+and adapter.gguf for llama.cpp (llama.cpp's own converter); checkpoints go to ``loras/NAME/checkpoints/``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import gradio as gr
 from modules import jobs, models, shared
 from modules.errors import TextgenError
 from modules.lifecycle import memory
+from modules.ui.admin import admin_control, admin_only
 
 _hardware_cache: tuple[float, Any] = (0.0, None)
 
@@ -111,9 +112,9 @@ def build(dropdown: Any) -> None:
             exclude = gr.Textbox(label="Exclude (globs)", scale=2)
             token = gr.Textbox(label="Token (gated repos)", type="password", placeholder="HF_TOKEN", scale=2)
         with gr.Row():
-            check_btn = gr.Button("Check", elem_id="download-check")
-            start_btn = gr.Button("Download", variant="primary", elem_id="download-start")
-            cancel_btn = gr.Button("Cancel", variant="stop", elem_id="download-cancel")
+            check_btn = admin_control(gr.Button("Check", elem_id="download-check"))
+            start_btn = admin_control(gr.Button("Download", variant="primary", elem_id="download-start"))
+            cancel_btn = admin_control(gr.Button("Cancel", variant="stop", elem_id="download-cancel"))
         status = gr.Markdown(elem_id="download-status")
         job_id = gr.State(None)
 
@@ -136,14 +137,8 @@ def build(dropdown: Any) -> None:
         from modules.lifecycle import hub
 
         try:
-            args = _args(*values)
-            hub.parse_repo(args.repo)
-            job = jobs.start(
-                "download",
-                args.repo,
-                lambda report, cancel: hub.download(args, report, cancel).to_dict(),
-                exclusive=True,
-            )
+            # the same job as the API's: a second Start (or an API client) fetching the same files joins it
+            job = hub.start_job(hub.prepare(_args(*values)), exclusive=True)
         except (TextgenError, jobs.Busy) as exc:
             return None, str(exc)
         return job.id, job_text(job.id)
@@ -161,9 +156,9 @@ def build(dropdown: Any) -> None:
         return job_text(current), choices, measured_text(), current if job.state == "running" else None
 
     values = [repo, quant, specific, include, exclude, token]
-    check_btn.click(check, values, status, concurrency_limit=2)
-    start_btn.click(start, values, [job_id, status], queue=False)
-    cancel_btn.click(cancel, job_id, status, queue=False)
+    check_btn.click(admin_only("download from the Hub")(check), values, status, concurrency_limit=2)
+    start_btn.click(admin_only("download from the Hub")(start), values, [job_id, status], queue=False)
+    cancel_btn.click(admin_only("cancel a download")(cancel), job_id, status, queue=False)
     dropdown.change(plan_text, dropdown, plan, queue=False)
     timer = gr.Timer(1.0)
     timer.tick(tick, job_id, [status, dropdown, measured, job_id], queue=False, show_progress="hidden")

@@ -72,7 +72,9 @@ def test_first_use_download_and_download_jobs(live_server_factory, fake_hub: Fak
         time.sleep(0.1)
     assert running["state"] == "running" and 0 < running["done"] < running["total"] == 24 * MiB + 2
     assert running["message"].startswith("model.safetensors")
-    busy = httpx.post(url, json={"repo": "org/slow"}, headers=ADMIN)
+    same = httpx.post(url, json={"repo": "org/slow"}, headers=ADMIN)
+    assert same.status_code == 202 and same.json()["job_id"] == job["job_id"]  # joins the running job
+    busy = httpx.post(url, json={"repo": "org/slow", "include": ["config.json"]}, headers=ADMIN)
     assert busy.status_code == 409  # one download at a time
     cancelled = httpx.post(progress + "/cancel", headers=ADMIN).json()
     assert cancelled["state"] == "cancelled"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -17,9 +18,8 @@ from modules.chat.prompt import render_messages
 from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import generate_text, prepare
-from modules.lifecycle.gguf import read_header, write_lora_gguf
 from modules.loaders.base import Backend
-from tests.conftest import DEFAULT_MODEL, default_model_path
+from tests.conftest import DEFAULT_MODEL, hf_default_model
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.", "What is 2 + 2?"]
 
@@ -281,22 +281,36 @@ def test_embeddings_mode(with_default_model: Path) -> None:
 
 
 def make_lora(path: Path, scale: float = 4.0) -> Path:
-    """A random rank-4 LoRA on every attention and MLP projection of SmolLM2-135M."""
-    _, tensors, _ = read_header(default_model_path())
-    shapes = {t["name"]: t["shape"] for t in tensors}
+    """A random rank-4 PEFT LoRA on q, v and up of SmolLM2-135M, as a GGUF by llama.cpp's own converter."""
+    from safetensors.numpy import save_file
+
+    from modules.lifecycle.convert import LoraConvertArgs, convert_lora_to_gguf
+
+    base = hf_default_model()
+    config = json.loads((base / "config.json").read_text())
+    hidden = config["hidden_size"]
+    kv = hidden // config["num_attention_heads"] * config["num_key_value_heads"]
+    outs = {"self_attn.q_proj": hidden, "self_attn.v_proj": kv, "mlp.up_proj": config["intermediate_size"]}
     rng = np.random.default_rng(0)
-    pairs = {}
-    for name, shape in shapes.items():
-        if name.endswith(("attn_q.weight", "attn_v.weight", "ffn_up.weight")):
-            in_features, out_features = shape
-            pairs[name] = (
-                rng.normal(0, scale, (4, in_features)) / np.sqrt(in_features),
-                rng.normal(0, 1, (out_features, 4)) / 4,
-            )
-    return write_lora_gguf(path, "llama", alpha=4.0, tensors=pairs)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out_features in outs.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = (rng.normal(0, scale, (4, hidden)) / np.sqrt(hidden)).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (rng.normal(0, 1, (out_features, 4)) / 4).astype(np.float32)
+    folder = path.with_name(f".{path.stem}-peft")  # only the GGUF stays
+    folder.mkdir()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 4.0, "bias": "none",
+               "target_modules": ["q_proj", "v_proj", "up_proj"], "base_model_name_or_path": str(base)}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(adapter))
+    try:
+        return convert_lora_to_gguf(LoraConvertArgs(folder, base, path), lambda *a, **k: None, threading.Event())
+    finally:
+        shutil.rmtree(folder)
 
 
-def test_gguf_lora_changes_the_output_and_unloads(with_default_model: Path, tmp_path: Path) -> None:
+def test_lora_gguf_changes_the_output_and_unloads(with_default_model: Path, tmp_path: Path) -> None:
     backend = load()
     ids = chat_ids(backend, "What is the capital of France?")
     params = GenerationParams(temperature=0, max_new_tokens=12)

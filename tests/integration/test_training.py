@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -150,14 +151,35 @@ def test_cli_under_accelerate_launch(folders: Path) -> None:
     assert again.returncode == 2 and "loras/cli already exists" in again.stderr
 
 
-def test_gguf_lora_on_llama_cpp_matches_peft_on_transformers(folders: Path) -> None:
+def test_ctrl_c_on_the_cli_stops_at_the_next_step_with_a_checkpoint(folders: Path) -> None:
+    command = [sys.executable, "-m", "modules.training", "--model", "tiny-llama", "--dataset", "example-chat.jsonl",
+               "--name", "ctrl-c", "--max-steps", "100000", "--rank", "4", "--no-gguf",
+               "--user-data-dir", str(folders / "user_data"), "--model-dir", str(folders / "models"),
+               "--lora-dir", str(folders / "loras")]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    output = folders / "loras" / "ctrl-c"
+    deadline = time.monotonic() + 180
+    while not (output / "training_parameters.json").exists():  # written just before the first step
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped: stopped by the user (the same command with --resume goes on)" in out and "Traceback" not in err
+    assert (output / "adapter_model.safetensors").is_file()  # the adapter so far
+    steps = int(out.split(" steps in ")[0].rsplit("\n", 1)[-1])
+    assert 0 < steps < 100000 and (output / "checkpoints" / f"checkpoint-{steps}").is_dir()
+
+
+def test_converted_lora_on_llama_cpp_matches_peft_on_transformers(folders: Path) -> None:
     """A random LoRA on q and k (the projections llama.cpp stores with permuted rows) gives llama.cpp the same
-    next-token distribution as peft gives transformers."""
+    next-token distribution as peft gives transformers, through llama.cpp's own convert_lora_to_gguf.py."""
     import torch
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from modules.training.gguf_lora import convert
+    from modules.lifecycle.convert import LoraConvertArgs, convert_lora_to_gguf
 
     source = hf_default_model()
     tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
@@ -173,7 +195,9 @@ def test_gguf_lora_on_llama_cpp_matches_peft_on_transformers(folders: Path) -> N
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         expected = torch.log_softmax(peft_model(torch.tensor([ids])).logits[0, -1], -1)
-    adapter = convert(get_peft_model_state_dict(peft_model), model.config, 8, folders / "qk.gguf", "qk")
+    peft_model.save_pretrained(str(folders / "qk"))
+    convert_args = LoraConvertArgs(lora=folders / "qk", base=source, output=folders / "qk.gguf")
+    adapter = convert_lora_to_gguf(convert_args, lambda *a, **k: None, threading.Event())
     backend = models.load_model(DEFAULT_MODEL)
     backend.set_loras([(adapter, 1.0)])
     got = backend.next_token_logprobs(ids, 5)  # type: ignore[attr-defined]

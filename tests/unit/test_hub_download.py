@@ -69,6 +69,7 @@ def lifecycle(fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     fake_hub.drop_after.clear()
     fake_hub.unavailable.clear()
     fake_hub.corrupt.clear()
+    fake_hub.slow.clear()
     yield tmp_path
     from modules import models
 
@@ -266,6 +267,54 @@ def test_load_by_repo_name_downloads_on_first_use(lifecycle: Path, fake_hub: Fak
     with pytest.raises(ModelNotFound, match="org/tiny-llama:dev"):
         models.load_model("org/tiny-llama:dev")
     assert len(fake_hub.requests) == seen  # offline: not even asked
+
+
+def test_concurrent_first_use_downloads_of_a_repo_share_one_job(lifecycle: Path, fake_hub: FakeHub) -> None:
+    import time
+
+    from modules import jobs
+
+    source = fake_hub.repos["org/tiny-llama"].branches["main"]
+    fake_hub.slow[("org/tiny-llama", "model.safetensors")] = 0.05  # ~0.6 s: the callers overlap
+    since = time.time()
+    gate = threading.Barrier(2)
+    outcome: dict[str, object] = {}
+
+    def load(label: str) -> None:  # a model load naming the repo
+        gate.wait()
+        try:
+            outcome[label] = hub.ensure_local("org/tiny-llama")
+        except Exception as exc:  # shown by the assert below
+            outcome[label] = exc
+
+    callers = [threading.Thread(target=load, args=(f"load {i}",)) for i in (1, 2)]
+    for thread in callers:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while not (job := jobs.running(hub.JOB_KIND)) or job.done == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # meanwhile another download into the same folder (the API's, with other files): it waits its turn
+    config_only = hub.download(hub.DownloadArgs("org/tiny-llama", include=["config.json"]))
+    for thread in callers:
+        thread.join(60)
+    assert outcome["load 1"] == outcome["load 2"] == "org_tiny-llama", outcome
+    assert config_only.bytes_fetched == 0 and config_only.reused == ["config.json"]
+    for path, content in source.items():
+        gets = [g for g in fake_hub.file_gets("org/tiny-llama", path) if g["status"] in (200, 206)]
+        assert len(gets) == 1, (path, gets)  # each file crossed the network once
+        assert fake_hub.served[("org/tiny-llama", path)] == len(content)  # type: ignore[arg-type]
+    assert folder_files(lifecycle / "models" / "org_tiny-llama") == source  # whole and uncorrupted
+    started = [j for j in jobs.all_jobs(hub.JOB_KIND) if j.title == "org/tiny-llama" and j.started >= since]
+    assert len(started) == 1 and started[0].state == "done"  # the loads joined one job, outside their threads
+    assert not (lifecycle / "models" / ".downloads" / "org_tiny-llama").exists()
+
+
+def test_a_first_use_download_that_fails_in_its_job_tells_the_load_why(lifecycle: Path, fake_hub: FakeHub) -> None:
+    fake_hub.corrupt.add(("org/tiny-llama", "model.safetensors"))
+    with pytest.raises(hub.ChecksumMismatch, match="does not match its checksum"):
+        hub.ensure_local("org/tiny-llama")
+    assert not (lifecycle / "models" / "org_tiny-llama").exists()
 
 
 def test_cli_lists_downloads_and_fails_in_one_line(lifecycle: Path, fake_hub: FakeHub) -> None:

@@ -1,13 +1,23 @@
-"""The long-job runner: results, failures kept inside the job, cancellation, one exclusive job at a time."""
+"""The long-job runner: results, failures kept inside the job, cancellation, one exclusive job at a time, shared
+jobs, and the CLIs' foreground runner (Ctrl+C cancels the job and waits for it to stop)."""
 
 from __future__ import annotations
 
+import _thread
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from modules import jobs
+from modules.errors import InvalidRequest
+from tests.conftest import ROOT
 
 
 def test_a_job_reports_progress_and_returns_its_result() -> None:
@@ -48,3 +58,117 @@ def test_cancel_stops_a_job_at_its_next_check_and_exclusive_kinds_say_busy() -> 
     assert not jobs.cancel(job.id)  # no longer running
     again = jobs.start("exclusive-test", "after", lambda report, cancel: 1, exclusive=True)
     assert again.wait(5) and again.result == 1
+
+
+def _interrupt_when(event: threading.Event) -> None:
+    """Ctrl+C for the main thread (where pytest runs the test) once ``event`` is set."""
+
+    def fire() -> None:
+        assert event.wait(5)
+        _thread.interrupt_main()  # the same KeyboardInterrupt a SIGINT raises in the main thread
+
+    threading.Thread(target=fire, daemon=True).start()
+
+
+def test_ctrl_c_in_the_foreground_cancels_the_job_and_waits_for_it_to_stop() -> None:
+    started, cleaned_up = threading.Event(), threading.Event()
+    steps: list[int] = []
+
+    def work(report: jobs.Reporter, cancel: threading.Event) -> str:
+        started.set()
+        try:
+            for step in range(10_000):
+                jobs.check(cancel)
+                steps.append(step)
+                report(step, 10_000)
+                time.sleep(0.005)
+            return "finished"
+        finally:
+            time.sleep(0.2)  # a slow clean-up (a .partial file removed) that the CLI must wait for
+            cleaned_up.set()
+
+    _interrupt_when(started)
+    with pytest.raises(KeyboardInterrupt):
+        jobs.run_foreground("ctrl-c test", work)
+    assert cleaned_up.is_set()  # the job had stopped cleanly before the CLI went on
+    assert 0 < len(steps) < 10_000
+    count = len(steps)
+    time.sleep(0.05)
+    assert len(steps) == count  # and nothing runs any more
+
+
+def test_a_job_that_winds_down_on_ctrl_c_returns_what_it_saved() -> None:
+    started = threading.Event()
+
+    def train(report: jobs.Reporter, cancel: threading.Event) -> dict:
+        started.set()
+        step = 0
+        while not cancel.is_set() and step < 10_000:  # like training: stop at the next step, keep a checkpoint
+            step += 1
+            time.sleep(0.005)
+        return {"steps": step, "stopped": "stopped by the user" if cancel.is_set() else ""}
+
+    _interrupt_when(started)
+    summary = jobs.run_foreground("winding down", train, unit="step")
+    assert summary["stopped"] == "stopped by the user" and 0 < summary["steps"] < 10_000
+
+
+def test_a_foreground_job_error_reaches_the_cli_with_its_type() -> None:
+    def bad(report: jobs.Reporter, cancel: threading.Event) -> None:
+        raise InvalidRequest("dataset.jsonl line 3: no messages")
+
+    with pytest.raises(InvalidRequest, match="line 3"):
+        jobs.run_foreground("bad data", bad)
+    assert jobs.run_foreground("quick", lambda report, cancel: 42) == 42
+
+
+def test_sigint_to_a_cli_process_stops_its_job_cleanly(tmp_path: Path) -> None:
+    script = tmp_path / "cli.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, threading, time
+            from modules import jobs
+
+            def work(report, cancel):
+                print("started", flush=True)
+                try:
+                    while True:
+                        jobs.check(cancel)
+                        time.sleep(0.01)
+                finally:
+                    print("cleaned up", flush=True)
+
+            try:
+                jobs.run_foreground("sigint", work)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+                sys.exit(130)
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert out.split() == ["cleaned", "up", "interrupted"] and "Traceback" not in err
+
+
+def test_a_start_with_the_same_key_joins_the_running_job() -> None:
+    release, calls = threading.Event(), []
+
+    def fetch(report: jobs.Reporter, cancel: threading.Event) -> str:
+        calls.append(1)
+        assert release.wait(5)
+        return "org_model"
+
+    first = jobs.start("keyed-test", "org/model", fetch, key="org/model@main")
+    second = jobs.start("keyed-test", "org/model", fetch, key="org/model@main")
+    other = jobs.start("keyed-test", "org/other", lambda report, cancel: "org_other", key="org/other@main")
+    assert second is first and other is not first
+    release.set()
+    assert first.wait(5) and first.result == "org_model" and len(calls) == 1
+    after = jobs.start("keyed-test", "org/model", lambda report, cancel: "again", key="org/model@main")
+    assert after is not first and after.wait(5) and after.result == "again"  # a finished job is not joined
