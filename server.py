@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from modules import extensions, models, shared
+from modules import extensions, fileio, models, shared
 from modules.errors import TextgenError
 from modules.logging_setup import setup_logging
 from modules.settings import SettingsError, load_settings
@@ -41,9 +41,12 @@ def create_app() -> FastAPI:
         import gradio as gr
 
         from modules.chat.history import images_dir
+        from modules.ui.admin import startup_warnings
         from modules.ui.app import build_ui, custom_css, custom_js
 
         auth = shared.settings.auth_pairs() or None
+        for warning in startup_warnings(shared.settings):
+            log.warning("%s", warning)
         app = gr.mount_gradio_app(
             app,
             build_ui(),
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in loaded.notes:
         log.info("%s", note)
     shared.init(loaded)
+    fileio.remove_stale_temp_files(shared.user_data_dir())  # what interrupted atomic writes left behind
     extensions.load_extensions(settings.startup_extensions())
     try:
         app = create_app()

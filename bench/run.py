@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import llama_engine, transformers_engine, ui_bench
+from bench import llama_engine, load, transformers_engine, ui_bench
 from bench.common import RESULTS, ROOT, machine, write_result
 
 BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "prompt_cache": llama_engine.prompt_cache,
     "transformers": transformers_engine.pipeline_vs_generate,
     "ui_latency": ui_bench.run,
+    "load": load.run,
 }
 DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -99,6 +100,32 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 f"{r['ratio']:.3f}",
                 r["target"],
             )
+        ]
+    if name == "load":
+        head = f"load {r['requests']}x{r['concurrency']}"
+        growth = r["rss_growth_mb"]
+        return [
+            (
+                f"{head}: 5xx / slots free at end",
+                f"{r['server_errors']} / {r['slots_free_at_end']}",
+                "",
+                "",
+                "0 / True",
+            ),
+            (
+                f"{head}: p95 latency",
+                f"{r['latency_p95_s']:.2f} s",
+                f"{r['idle_latency_p95_s']:.2f} s (one at a time)",
+                f"{r['latency_p95_s'] / r['idle_latency_p95_s']:.1f}" if r["idle_latency_p95_s"] else "",
+                "none (for the record)",
+            ),
+            (
+                f"{head}: server RSS",
+                f"{r['rss_mb']['after_disconnect_tests']:.0f} MB (end)",
+                f"{r['rss_mb']['after_warmup']:.0f} MB (after warm-up)",
+                f"{growth:+.1f} MB",
+                "< +50 MB",
+            ),
         ]
     return [(name, "", "", str(r.get("ratio", "")), str(r.get("target", "")))]
 

@@ -6,7 +6,9 @@ import gc
 import json
 import logging
 import re
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,32 +237,103 @@ def planned_loader(name: str) -> str:
     return _plan(name)[3]
 
 
+def check_load(info: ModelInfo, loader: str, options: dict[str, Any]) -> type[Backend]:
+    """The backend class for ``loader`` once its ``check`` passed: a load that cannot succeed here (package or CUDA
+    missing, file missing, truncated or corrupt) raises BackendUnavailable or ModelLoadError; nothing is unloaded."""
+    backend_cls = loaders.get(loader)
+    try:
+        backend_cls.check(info.path, options)
+    except TextgenError as exc:
+        if shared.model is None:  # /health and the Model tab say why there is no model
+            shared.load_error = f"{info.name}: {exc}" if info.name not in str(exc) else str(exc)
+        log.warning("Not loading %s with %s: %s", info.name, loader, exc)
+        raise
+    except Exception as exc:  # a broken check (an extension's backend) refuses the load instead of crashing it
+        log.error("The %s loader's check of %s failed", loader, info.name, exc_info=exc)
+        raise ModelLoadError(f"the {loader} loader could not check {info.name}: {type(exc).__name__}: {exc}") from exc
+    return backend_cls
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for an allocation failure: MemoryError, torch's OutOfMemoryError, CUDA's "out of memory" text."""
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")  # only if something imported it: never import torch to look at an error
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if isinstance(oom, type) and isinstance(exc, oom):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "failed to allocate" in text or "cudamalloc failed" in text
+
+
+def _load_failure(name: str, loader: str, exc: Exception, previous: str | None) -> TextgenError:
+    """The error a failed load reports: ``exc`` itself, or a ModelLoadError saying what ran out and what is gone."""
+    cause = exc.__cause__ if isinstance(exc, TextgenError) and exc.__cause__ is not None else exc
+    if is_out_of_memory(cause):  # the library's own error, not a backend's guess in its message
+        detail = str(exc) or type(cause).__name__
+        message = (
+            f"not enough memory to load {name} with {loader} ({detail}); try a smaller model or quantization, "
+            "a shorter context (--n-ctx, --max-seq-len) or fewer layers on the GPU"
+        )
+    elif isinstance(exc, TextgenError):
+        message = str(exc)
+    else:
+        message = f"loading {name} with {loader} failed: {type(exc).__name__}: {exc}"
+    if previous is not None:
+        message += (
+            f". {previous} was unloaded to make room for it, so no model is loaded now: load {previous} again "
+            "(Model tab or /v1/internal/model/load)"
+        )
+    if isinstance(exc, TextgenError) and message == str(exc):
+        return exc
+    return ModelLoadError(message)
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Forget the tracebacks of ``exc`` and its causes (they are logged), so that their frames can be freed."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+
+
 def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
     """Load ``name`` (unloading the current model first) and make it the shared model.
 
-    Raises ModelNotFound, ModelLoadError or BackendUnavailable with a message meant for the user;
-    on failure no model is loaded and the server keeps running.
+    Raises ModelNotFound, ModelLoadError or BackendUnavailable with a message meant for the user. A load the
+    backend's ``check`` refuses (package, CUDA, missing or truncated file) leaves the current model loaded; one that
+    fails later (out of memory, a corrupt tensor) leaves no model, and its message says the old one was unloaded.
+    The server keeps running either way.
     """
     name = load_hooks.first_use_download(name, overrides)  # ORG/NAME not in models/: download it (outside the lock)
     with shared.model_lock:
         info, meta, resolved, loader = _plan(name, overrides)
-        backend_cls = loaders.get(loader)
+        backend_cls = check_load(info, loader, resolved.options)  # refused here, the current model stays loaded
+        previous = shared.model_name
         unload_model()
         shared.loading_model, shared.load_error = info.name, None
         started = time.perf_counter()
         log.info("Loading %s with %s", info.name, loader)
         before = load_hooks.snapshot()
+        failure: TextgenError | None = None
         try:
             backend = backend_cls.load(info.path, resolved.options)
-        except TextgenError as exc:
-            shared.load_error = str(exc)
-            raise
-        except Exception as exc:  # a backend's own failure: report it, keep serving
-            shared.load_error = f"{info.name}: {type(exc).__name__}: {exc}"
-            log.exception("Loading %s failed", info.name)
-            raise ModelLoadError(f"loading {info.name} with {loader} failed: {exc}") from exc
+        except Exception as exc:  # the backend's refusal or its own failure (even MemoryError): report it, keep serving
+            failure = _load_failure(info.name, loader, exc, previous)
+            shared.load_error = str(failure)
+            # a backend's own failure gets its traceback in the log (as text: a log record holding the traceback
+            # would keep the half-loaded model alive); a TextgenError already says what is wrong
+            trace = "" if isinstance(exc, TextgenError) else "\n" + "".join(traceback.format_exception(exc)).rstrip()
+            log.error("Loading %s failed: %s%s", info.name, failure, trace)
+            if failure is not exc:
+                failure.__cause__ = exc
+            _drop_frames(exc)  # the frames of the failed load hold what it allocated
         finally:
             shared.loading_model = None
+        if failure is not None:
+            gc.collect()  # free a half-loaded model now, not at the next load
+            raise failure
         if not backend.metadata.chat_template and meta.chat_template:
             backend.metadata.chat_template = meta.chat_template
         for key in ("instruction_template", "chat_template"):

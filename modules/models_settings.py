@@ -2,6 +2,10 @@
 
 Values given on the command line or in the environment still win, and the load call's own overrides
 (Model tab, ``/v1/internal/model/load`` args) win over everything.
+
+The security settings (:data:`modules.settings.SECURITY_KEYS`: ``trust_remote_code``, ``remote_url``, keys, paths,
+the listen address, auth, extensions, ...) are never taken from a model folder or models_settings.yaml: such a
+value is logged and ignored. An API load request that names one is refused (:func:`check_request_overrides`).
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from modules import shared
-from modules.errors import ModelLoadError
+from modules.errors import InvalidRequest, ModelLoadError
 from modules.loaders.base import ModelMetadata
-from modules.settings import Settings, SettingsError, read_yaml
+from modules.settings import SECURITY_KEYS, Settings, SettingsError, read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +78,31 @@ def user_patterns(model_name: str) -> list[tuple[str, dict[str, Any]]]:
     return matches
 
 
-def _apply(result: ModelSettings, values: dict[str, Any], source: str) -> None:
+def check_request_overrides(values: dict[str, Any] | None, where: str = "args") -> None:
+    """Refuse a request's load settings that name a security setting (InvalidRequest, a 400 at the API)."""
+    for key in values or {}:
+        name = str(key).replace("-", "_")
+        if name in SECURITY_KEYS:
+            raise InvalidRequest(
+                f"{where}.{key} cannot be set by a request: it is a security setting, set only on the command "
+                "line, in the environment or in settings.yaml",
+                param=f"{where}.{key}",
+                code="setting_not_allowed",
+            )
+
+
+def _apply(result: ModelSettings, values: dict[str, Any], source: str, *, trusted: bool = False) -> None:
+    """Apply one layer. Only a ``trusted`` layer (the load call's own overrides) may set a security setting."""
     for key, value in values.items():
         key = str(key).replace("-", "_")
+        if key in SECURITY_KEYS and not trusted:
+            log.warning(  # the value is not logged: it may be a key
+                "%s: %s ignored: security settings are only read from the command line, the environment and "
+                "settings.yaml",
+                source,
+                key,
+            )
+            continue
         if key == "loader":
             result.loader = str(value)
         elif key == "sampling":  # merged over the layers below, each key checked
@@ -135,7 +161,7 @@ def resolve(
         elif key in result.options:
             result.options[key] = getattr(shared.settings, key)
             result.sources[key] = "flag"
-    _apply(result, overrides or {}, "load")
+    _apply(result, overrides or {}, "load", trusted=True)  # the caller (Model tab, API) checked them
     try:
         validated = Settings(**result.options)
     except ValidationError as exc:

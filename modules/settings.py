@@ -141,7 +141,10 @@ class Settings(BaseModel):
     )
     api_key: str | None = Field(None, description="Require this key (Bearer or x-api-key) on the API.")
     admin_key: str | None = Field(
-        None, description="Require this key for admin API endpoints (model load/unload). Default: --api-key."
+        None,
+        description="Key for the admin API endpoints (model and LoRA load/unload, downloads, switching models through "
+        "a request's model field, the image pipeline). It does not default to --api-key: with --api-key and no "
+        "--admin-key the admin endpoints answer 403. Without any key the API is open.",
     )
     api_cors_origins: list[str] = Field(
         default_factory=list, description="Origins allowed to call the API from a browser (CORS). Default: none."
@@ -150,8 +153,26 @@ class Settings(BaseModel):
         default_factory=list,
         description="Extensions to load at startup (folder names), besides the API ('openai', see --api).",
     )
+    allow_remote_images: bool = Field(
+        False,
+        description="Let API clients send images as http(s) URLs for the server to fetch (public addresses only, "
+        "20 MiB, 15 s, 3 redirects at most). Off: only data URLs are accepted, so a client cannot make the server "
+        "connect anywhere.",
+    )
+    max_request_mb: float = Field(
+        32,
+        gt=0,
+        description="Largest API request body in MiB; a bigger one is answered 413 before it is read "
+        "(the web UI's uploads are not affected).",
+    )
     gradio_auth: str | None = Field(None, description="Web UI logins as 'user:password' pairs separated by commas.")
     gradio_auth_path: Path | None = Field(None, description="File with one 'user:password' per line, for the web UI.")
+    gradio_admin: list[str] = Field(
+        default_factory=list,
+        description="Web UI users (from --gradio-auth) who may load models and LoRAs, download, export, train, switch "
+        "extensions and save settings; the other users can only chat and generate. Without --gradio-auth the local "
+        "user is the admin.",
+    )
     multi_user: bool = Field(False, description="Each signed-in user sees only their own chat histories.")
     enable_code_execution: bool = Field(
         False,
@@ -239,6 +260,40 @@ def _base_type(annotation: Any) -> tuple[Any, bool]:
     if origin in (list, Sequence):
         return typing.get_args(annotation)[0], True
     return annotation, False
+
+
+# Settings that decide what code runs, where data goes or who may connect. Only the command line, the environment and
+# settings.yaml set them: a model folder's textgen.yaml, user_data/models_settings.yaml and an API load request's
+# ``args`` cannot (modules/models_settings.py). Besides these names: every Path-typed field, every ``*_key``,
+# ``*_dir`` and ``*_path``, and every ``allow_*``, ``enable_*`` and ``gradio_*`` field, present and future.
+_SECURITY_NAMES = (
+    "trust_remote_code",
+    "remote_url",
+    "listen",
+    "listen_host",
+    "listen_port",
+    "api",
+    "api_port",
+    "nowebui",
+    "api_cors_origins",
+    "extensions",
+    "multi_user",
+    "verbose",
+    "max_request_mb",
+)
+
+
+def _is_security_field(name: str) -> bool:
+    inner, _ = _base_type(Settings.model_fields[name].annotation)
+    return (
+        name in _SECURITY_NAMES
+        or inner is Path
+        or name.endswith(("_key", "_dir", "_path"))
+        or name.startswith(("allow_", "enable_", "gradio_"))
+    )
+
+
+SECURITY_KEYS: frozenset[str] = frozenset(n for n in Settings.model_fields if _is_security_field(n))
 
 
 def build_parser() -> argparse.ArgumentParser:

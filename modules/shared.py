@@ -74,10 +74,14 @@ def unregister_generation(key: str) -> None:
         _stop_events.pop(key, None)
 
 
-def stop_generation(key: str | None = None) -> int:
-    """Cancel one generation by key, or every running one; returns how many were signalled."""
+def stop_generation(key: str | None = None, *, prefix: str | None = None) -> int:
+    """Cancel one generation by key, those whose key starts with ``prefix`` (one caller's: the API keys its
+    generations ``OWNER/ID``), or every running one; returns how many were signalled."""
     with _stop_lock:
-        events = [_stop_events[key]] if key in _stop_events else [] if key else list(_stop_events.values())
+        if prefix is not None:
+            events = [event for k, event in _stop_events.items() if k.startswith(prefix)]
+        else:
+            events = [_stop_events[key]] if key in _stop_events else [] if key else list(_stop_events.values())
     for event in events:
         event.set()
     return len(events)

@@ -3,7 +3,9 @@
 - In the chat, a message starting with ``/image`` (``params['trigger']``) answers with a picture.
 - The Image generation tab makes pictures from a prompt.
 - ``POST /v1/images/generations`` (OpenAI's images API) returns them as ``b64_json`` or as a URL served at
-  ``/v1/images/files/ID.png``.
+  ``/v1/images/files/ID.png``. Bounds for every caller (a 400 naming the field beyond them): ``n`` 1..8,
+  ``steps`` 1..150, ``size`` multiples of 8 up to 1024x1024. A ``model`` other than the pipeline in use switches
+  pipelines, which needs the admin key (403 otherwise).
 """
 
 from __future__ import annotations
@@ -38,6 +40,20 @@ def _model(name: str | None = None) -> str:
     return str(chosen)
 
 
+OPENAI_IMAGE_MODELS = ("dall-e-2", "dall-e-3", "gpt-image-1")  # names clients send by default: the pipeline in use
+
+
+def _in_use() -> str:
+    """The pipeline a request without ``model`` gets: the one in memory, else the configured or first one."""
+    from extensions.image_generation.generator import current_pipeline, pipelines
+
+    return current_pipeline() or str(params.get("model") or next(iter(pipelines()), ""))
+
+
+def _given(body: dict[str, Any], name: str, default: Any) -> Any:
+    return default if body.get(name) is None else body[name]
+
+
 def custom_generate_reply(
     question: str, original_question: str, state: dict[str, Any], stopping_strings: list[str], is_chat: bool
 ) -> Iterator[str] | None:
@@ -64,7 +80,7 @@ def api_routes(app: Any) -> None:
     import anyio
 
     from extensions.image_generation import generator
-    from extensions.openai.auth import require_key
+    from extensions.openai.auth import is_admin, require_key
     from modules.errors import InvalidRequest
 
     @app.post("/v1/images/generations", dependencies=[Depends(require_key)])
@@ -79,14 +95,23 @@ def api_routes(app: Any) -> None:
         if fmt not in ("url", "b64_json"):
             raise InvalidRequest("response_format must be 'url' or 'b64_json'", param="response_format")
         width, height = generator.parse_size(body.get("size"), (int(params["width"]), int(params["height"])))
-        try:
-            n, steps = int(body.get("n") or 1), int(body.get("steps") or params["steps"])
-            seed = int(body["seed"]) if body.get("seed") is not None else None
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequest(f"n, steps and seed must be integers ({exc})", param="n") from exc
-        model = _model(
-            body.get("model") if body.get("model") not in (None, "dall-e-2", "dall-e-3", "gpt-image-1") else None
-        )
+        n = generator.bounded_int(_given(body, "n", 1), "n", 1, generator.MAX_N)
+        steps = generator.bounded_int(_given(body, "steps", params["steps"]), "steps", 1, generator.MAX_STEPS)
+        seed = generator.bounded_int(body["seed"], "seed", -1, 2**63 - 1) if body.get("seed") is not None else None
+        asked = body.get("model")
+        asked = None if asked in (None, "", *OPENAI_IMAGE_MODELS) else asked
+        if asked is not None and asked != _in_use() and not is_admin(request):
+            from extensions.openai.errors import APIError
+
+            raise APIError(
+                403,
+                f"switching the image pipeline to {asked!r} needs the admin key (--admin-key); leave out 'model' "
+                f"to use {_in_use() or 'the default pipeline'}",
+                type_="permission_error",
+                param="model",
+                code="admin_key_required",
+            )
+        model = _model(asked)
         pictures = await anyio.to_thread.run_sync(
             lambda: generator.generate(
                 body["prompt"],

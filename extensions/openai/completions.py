@@ -12,12 +12,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from extensions.openai import core
+from extensions.openai.auth import caller_id
 from extensions.openai.chat import FINGERPRINT, sse
 from extensions.openai.errors import from_exception
 from extensions.openai.protocol import CompletionRequest
 from modules.errors import InvalidRequest
 from modules.generation.params import GenerationParams
-from modules.generation.pipeline import GenerationStats, encode_prompt
+from modules.generation.pipeline import GenerationStats, check_prompt_length, encode_prompt
 from modules.loaders.base import Backend, TokenEvent
 
 
@@ -98,9 +99,18 @@ async def create(req: CompletionRequest, request: Request) -> Any:
     params = core.generation_params(req, max_tokens=req.max_tokens if generate else 1, default_max=16)
     params = params.replace(logprobs=want_logprobs, top_logprobs=top)
     prompts = _prompts(req)
+    for text in (p for p in prompts if isinstance(p, str)):  # a prompt far too long is refused before tokenizing
+        check_prompt_length(backend, text)
     if req.suffix:
-        prompts = [fim_prompt(backend, p, req.suffix) for p in prompts]
-    ids = [encode_prompt(backend, p) if isinstance(p, str) else p for p in prompts]
+        check_prompt_length(backend, req.suffix, "suffix")
+
+    def tokenize() -> list[list[int]]:
+        fim = [fim_prompt(backend, p, req.suffix) for p in prompts] if req.suffix else prompts
+        return [encode_prompt(backend, p) if isinstance(p, str) else p for p in fim]
+
+    ids = await anyio.to_thread.run_sync(tokenize)  # off the event loop: other requests go on meanwhile
+    if req.suffix:
+        prompts = list(ids)
     echo_text = [backend.decode(i) if isinstance(p, list) else p for p, i in zip(prompts, ids, strict=True)]
     meta = {
         "id": "cmpl-" + uuid.uuid4().hex,
@@ -124,7 +134,7 @@ async def create(req: CompletionRequest, request: Request) -> Any:
     for prompt_ids in ids:
         all_params += core.seeded(params, best_of)
         all_prompts += [prompt_ids] * best_of
-    running = await core.start(all_prompts, all_params, backend)
+    running = await core.start(all_prompts, all_params, backend, owner=caller_id(request))
     prompt_tokens = sum(len(i) for i in ids)  # each distinct prompt once, however many choices it has
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -19,7 +19,7 @@ import anyio
 from fastapi import Request
 
 from extensions.openai import tools as tooling
-from extensions.openai.auth import is_admin
+from extensions.openai.auth import caller_id, is_admin
 from extensions.openai.errors import APIError
 from extensions.openai.metrics import METRICS
 from extensions.openai.protocol import (
@@ -388,10 +388,13 @@ async def start(
     *,
     chat: bool = False,
     images: list[Any] | None = None,
+    owner: str = "api",
 ) -> Running:
     """Check and submit every generation now (so errors come back before any response is sent).
 
     The backend hands the events to this event loop directly, several per wake-up; no thread per request.
+    Each generation is registered as ``OWNER/ID`` (``owner``: :func:`auth.caller_id`) so that
+    ``/v1/internal/stop-generation`` can stop one caller's generations.
     """
     loop = asyncio.get_running_loop()
     running = Running(queue=asyncio.Queue())
@@ -401,7 +404,7 @@ async def start(
             prepared = prepare(prompt, p, backend, strict=True, is_chat=chat, images=images or None)
             cancel = threading.Event()
             launch_to(prepared, backend, cancel, TokenSink(loop, running.queue, index))
-            key = uuid.uuid4().hex
+            key = f"{owner}/{uuid.uuid4().hex}"
             shared.register_generation(key, cancel)
             running.cancels.append(cancel)
             running.keys.append(key)
@@ -419,7 +422,14 @@ async def start_chat(req: ChatCompletionRequest, request: Request, model: str | 
     """Pick the backend, build the chat job and start its ``n`` generations (errors before any response)."""
     backend = await serving_backend(request, model)
     job = await anyio.to_thread.run_sync(prepare_chat, req, backend)
-    running = await start([job.prompt] * job.n, seeded(job.params, job.n), backend, chat=True, images=job.images)
+    running = await start(
+        [job.prompt] * job.n,
+        seeded(job.params, job.n),
+        backend,
+        chat=True,
+        images=job.images,
+        owner=caller_id(request),
+    )
     return job, running
 
 
@@ -466,7 +476,16 @@ async def merge(running: Running, request: Request | None = None) -> AsyncIterat
                 remaining -= 1
                 yield Item(tag, error=event)
                 continue
-            for delta in builder.feed(event):
+            try:
+                deltas = list(builder.feed(event))
+            except Exception as exc:  # a bug building deltas ends this choice with an error event, not a cut stream
+                log.exception("building a delta failed")
+                builder.done = True
+                remaining -= 1
+                running.cancels[tag].set()
+                yield Item(tag, error=exc)
+                continue
+            for delta in deltas:
                 yield Item(tag, delta)
             if builder.done:
                 running.cancels[tag].set()  # a stop string ended it: free the slot

@@ -10,9 +10,10 @@ from fastapi import Request
 from pydantic import Field
 
 from extensions.openai import core
+from extensions.openai.auth import caller_id, is_admin
 from extensions.openai.errors import APIError
 from extensions.openai.protocol import ChatCompletionRequest, _Base
-from modules import models, shared
+from modules import models, models_settings, shared
 from modules.embeddings import MODEL_NAME
 from modules.errors import InvalidRequest
 
@@ -93,8 +94,14 @@ class LoadModelRequest(_Base):
 
 
 async def load_model(req: LoadModelRequest) -> dict[str, str]:
-    """POST /v1/internal/model/load: unload the current model, load this one with optional per-load settings."""
+    """POST /v1/internal/model/load: unload the current model, load this one with optional per-load settings.
+
+    ``args`` or ``settings`` naming a security setting (``trust_remote_code``, ``remote_url``, keys, paths, ...)
+    is a 400: those come only from the command line, the environment and settings.yaml.
+    """
     overrides = dict(req.args or {})
+    models_settings.check_request_overrides(overrides)
+    models_settings.check_request_overrides(req.settings, "settings")
     from modules.lifecycle import hub
 
     if not (hub.looks_like_repo(req.model_name) and hub.local_name(req.model_name) is None):
@@ -161,10 +168,15 @@ def token_count(req: TextRequest) -> dict[str, int]:
     return {"length": len(core.current_model().encode(req.text))}
 
 
-def stop_generation() -> dict[str, str]:
-    """POST /v1/internal/stop-generation: cancel every running generation."""
-    shared.stop_generation()
-    return {"status": "OK"}
+def stop_generation(request: Request) -> dict[str, Any]:
+    """POST /v1/internal/stop-generation: cancel the caller's own running generations (those it started with the
+    key it sends now); with the admin key, or when no key is configured (single user), every generation, the web
+    UI's included. ``stopped`` says how many were signalled."""
+    if is_admin(request):
+        stopped = shared.stop_generation()
+    else:
+        stopped = shared.stop_generation(prefix=caller_id(request) + "/")
+    return {"status": "OK", "stopped": stopped}
 
 
 class LogitsRequest(_Base):

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from extensions.openai import core, embeddings
 from extensions.openai import tools as tooling
-from extensions.openai.auth import require_admin
+from extensions.openai.auth import caller_id, require_admin
 from extensions.openai.completions import fim_prompt
 from extensions.openai.errors import APIError, from_exception, validation_message
 from extensions.openai.ollama_models import model_name, timestamp
@@ -446,7 +446,7 @@ async def chat(req: ChatRequest, request: Request) -> Any:
     return await _answer(req.stream, _chat_objects(job, running, req.model, timing, False, watch))
 
 
-async def _start_raw(req: GenerateRequest, backend: Backend) -> core.Running:
+async def _start_raw(req: GenerateRequest, backend: Backend, owner: str) -> core.Running:
     """A raw or fill-in-the-middle generation: the prompt as it is, the output constrained as ``format`` asks."""
     if req.images or req.system:
         where = "images" if req.images else "system"
@@ -460,7 +460,7 @@ async def _start_raw(req: GenerateRequest, backend: Backend) -> core.Running:
         params = params.replace(json_schema=schema)
     core.check_constraints(params, backend)
     prompt = fim_prompt(backend, req.prompt, req.suffix) if req.suffix else req.prompt
-    return await core.start([prompt], [params], backend)
+    return await core.start([prompt], [params], backend, owner=owner)
 
 
 async def generate(req: GenerateRequest, request: Request) -> Any:
@@ -481,7 +481,7 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
     backend, timing = await _backend(request, model_name(req.model), "ollama.generate")
     watch = None if req.stream else request
     if chat_req is None:
-        running = await _start_raw(req, backend)
+        running = await _start_raw(req, backend, caller_id(request))
         return await _answer(req.stream, _raw_objects(running, req.model, timing, watch))
     job, running = await core.start_chat(chat_req, request, chat_req.model)
     return await _answer(req.stream, _chat_objects(job, running, req.model, timing, True, watch))

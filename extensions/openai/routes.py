@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from extensions.openai import (
@@ -28,6 +29,7 @@ from extensions.openai import (
     responses,
 )
 from extensions.openai.auth import require_admin, require_key
+from extensions.openai.limits import BodySizeLimit
 from extensions.openai.metrics import METRICS
 from extensions.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from modules import shared
@@ -176,6 +178,38 @@ class RequestMetrics:
             METRICS.observe_request(path.removeprefix("/v1"), status)
 
 
+class UnknownApiPath:
+    """A ``/v1/...`` request no route serves: the OpenAI error object (404, or 405 for a known path and another
+    method), not the web UI mount's ``{"detail": "Not Found"}``. Checked against the app's routes when the request
+    comes, so routes that extensions add later count too."""
+
+    def __init__(self, app: ASGIApp, routes: Any) -> None:
+        self.app = app
+        self.routes = routes  # the FastAPI app's router.routes (the same list, still growing at install time)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+            partial = False
+            for route in self.routes:
+                if isinstance(route, Mount) and route.path in ("", "/"):
+                    continue  # the web UI, mounted at the root, would take anything
+                match, _ = route.matches(scope)
+                if match is Match.FULL:
+                    break
+                partial = partial or match is Match.PARTIAL
+            else:
+                error = (
+                    errors.APIError(
+                        405, f"{scope['method']} is not allowed on {scope['path']}", code="method_not_allowed"
+                    )
+                    if partial
+                    else errors.APIError(404, f"no API route {scope['path']}", code="unknown_url")
+                )
+                await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class PreflightGate:
     """CORS preflights to the API from an origin that ``--api-cors-origins`` does not list: 403, granting nothing.
 
@@ -225,7 +259,10 @@ def install(app: FastAPI) -> None:
     app.include_router(_ollama_router())
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
 
-    app.add_middleware(RequestMetrics)
+    app.add_middleware(UnknownApiPath, routes=app.router.routes)
+    max_bytes = int(shared.settings.max_request_mb * 2**20)
+    app.add_middleware(BodySizeLimit, max_bytes=max_bytes, limited=lambda path: path.startswith(API_PREFIXES))
+    app.add_middleware(RequestMetrics)  # outside the size limit: its 413s are counted
 
     origins = shared.settings.api_cors_origins
     if origins:

@@ -19,6 +19,8 @@ from modules.errors import InvalidRequest
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL = "[TOOL_CALLS]"
+# what json.loads raises on text that is not JSON; absurdly deep nesting is a RecursionError, not a ValueError
+_BAD_JSON = (ValueError, RecursionError)
 
 
 @dataclass
@@ -145,7 +147,7 @@ def _calls_from_json(value: Any) -> list[ToolCall] | None:
         if isinstance(args, str):
             try:
                 json.loads(args)
-            except ValueError:
+            except _BAD_JSON:
                 return None
             arguments = args
         else:
@@ -163,7 +165,7 @@ def parse_tool_calls(text: str, known: list[str]) -> tuple[str, list[ToolCall]]:
         for part in parts:
             try:
                 found = _calls_from_json(json.loads(part.strip()))
-            except ValueError:
+            except _BAD_JSON:
                 found = None
             if found:
                 calls.extend(found)
@@ -173,7 +175,7 @@ def parse_tool_calls(text: str, known: list[str]) -> tuple[str, list[ToolCall]]:
         head, _, tail = text.partition(_MISTRAL)
         try:
             found = _calls_from_json(json.loads(tail.strip()))
-        except ValueError:
+        except _BAD_JSON:
             found = None
         if found:
             calls, content = found, head
@@ -182,7 +184,7 @@ def parse_tool_calls(text: str, known: list[str]) -> tuple[str, list[ToolCall]]:
         if stripped[:1] in ("{", "["):
             try:
                 found = _calls_from_json(json.loads(stripped))
-            except ValueError:
+            except _BAD_JSON:
                 found = None
             if found:
                 calls, content = found, ""
@@ -197,7 +199,7 @@ def render_call(call: dict[str, Any]) -> str:
     arguments = function.get("arguments", "{}")
     try:
         arguments_value = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
+    except _BAD_JSON:
         arguments_value = arguments
     return (
         TOOL_OPEN
@@ -234,11 +236,11 @@ class ToolStream:
                     break
                 try:
                     value, pos = decoder.raw_decode(text, pos)
-                except ValueError:
+                except _BAD_JSON:
                     break
                 values.append(value)
         else:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(*_BAD_JSON):
                 values.append(decoder.raw_decode(text)[0])
         calls = _calls_from_json(values) or []
         new = calls[self.emitted :]

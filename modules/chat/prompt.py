@@ -19,6 +19,7 @@ from modules import extensions
 from modules.chat.characters import DEFAULT_CHARACTER, Character, load_character
 from modules.chat.templates import load_instruction_template, render
 from modules.errors import InvalidRequest
+from modules.generation.pipeline import surely_too_long
 from modules.loaders.base import Backend
 
 MODES = ("instruct", "chat", "chat-instruct")
@@ -111,6 +112,9 @@ def _substitute(text: str, character: Character, user: str) -> str:
 def _transcript(history: list[Message], character: Character, user: str, open_reply: bool) -> str:
     lines = []
     for i, message in enumerate(history):
+        if message["role"] == "system":  # context, said by nobody (not a "You:" turn)
+            lines.append(f"{message['content']}\n")
+            continue
         name = character.name if message["role"] == "assistant" else user
         is_open = open_reply and i == len(history) - 1 and message["role"] == "assistant"
         lines.append(f"{name}: {message['content']}" + ("" if is_open else "\n"))
@@ -189,6 +193,8 @@ def fit_history(
         dropped = set(droppable[:cut])
         kept = [m for i, m in enumerate(history) if i not in dropped]
         prompt = build(kept)
+        if surely_too_long(backend, prompt, budget) and not extensions.implementers("custom_tokenized_length"):
+            return prompt, kept, False  # megabytes of text: known not to fit without tokenizing them
         return prompt, kept, token_count(backend, prompt) <= budget
 
     first = attempt(0)

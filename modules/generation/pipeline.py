@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,55 @@ def encode_prompt(backend: Backend, prompt: str) -> list[int]:
     bos = backend.metadata.bos_token
     add_special = backend.metadata.add_bos_token and not (bos and prompt.startswith(bos))
     return backend.encode(prompt, add_special=add_special)
+
+
+# A prompt longer than its token limit times the most characters one token can stand for cannot fit, whatever the
+# tokenizer makes of it: it is refused from its length alone, before tokenizing megabytes. One token stands for at
+# most as many characters as its bytes (UTF-8), so the bound is the vocabulary's longest token where the backend
+# says how big its vocabulary is, never below MIN_CHARS_PER_TOKEN (special tokens written out), and
+# FALLBACK_CHARS_PER_TOKEN where it does not (e.g. a remote engine's tokenizer).
+MIN_CHARS_PER_TOKEN = 32
+FALLBACK_CHARS_PER_TOKEN = 256
+_token_chars: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
+
+
+def max_token_chars(backend: Backend) -> int:
+    """The most characters one of ``backend``'s tokens can stand for (computed once per model, on first need)."""
+    known = _token_chars.get(backend)
+    if known is not None:
+        return known
+    bound = FALLBACK_CHARS_PER_TOKEN
+    n_vocab = backend.metadata.extra.get("n_vocab")
+    if isinstance(n_vocab, int) and 0 < n_vocab <= 2_000_000:
+        try:
+            bound = max(MIN_CHARS_PER_TOKEN, max(len(backend.token_piece(t)) for t in range(n_vocab)))
+        except Exception:  # a backend that cannot list its pieces keeps the generous bound
+            log.debug("could not measure the longest token of %s", backend.loader_name, exc_info=True)
+    _token_chars[backend] = bound
+    return bound
+
+
+def surely_too_long(backend: Backend, text: str, limit: int) -> bool:
+    """True when ``text`` cannot tokenize to ``limit`` tokens or fewer, judged from its length alone (no tokenizing).
+
+    False means only "maybe fits": tokenize to know. Cheap: the vocabulary is measured only for texts longer than
+    ``limit * MIN_CHARS_PER_TOKEN`` characters.
+    """
+    if len(text) <= limit * MIN_CHARS_PER_TOKEN:
+        return False
+    return len(text) > limit * max_token_chars(backend)
+
+
+def check_prompt_length(backend: Backend, text: str, param: str = "prompt") -> None:
+    """Refuse, without tokenizing it, a prompt far too long for the context (InvalidRequest, context_length_exceeded)."""
+    limit = backend.context_length
+    if surely_too_long(backend, text, limit):
+        raise InvalidRequest(
+            f"This model's context holds {limit} tokens; the prompt has {len(text)} characters, more than "
+            f"{limit} tokens can hold. Shorten the prompt or raise --n-ctx.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_params(backend: Backend, params: GenerationParams, strict: bool) -> None:
@@ -157,6 +207,8 @@ def prepare(
             is_chat=is_chat,
         )
     extra: dict[str, Any] = {"prompt_text": prompt} if isinstance(prompt, str) else {}
+    if isinstance(prompt, str) and not extensions.implementers("tokenizer_modifier"):
+        check_prompt_length(backend, prompt, "messages" if is_chat else "prompt")  # before tokenizing megabytes
     if images:
         if not backend.supports_vision:
             raise InvalidRequest(f"the loaded model ({backend.loader_name}) cannot see images", param="messages")
@@ -272,9 +324,9 @@ class DeltaBuilder:
     def finish(self, reason: str) -> Delta:
         """The final delta: text still held back, remaining tokens, and the stats."""
         self.done = True
-        tail = "" if self.stopper.stopped else self.stopper.flush() + self.utf8.flush()
-        if tail and self.stopper.stops:  # the flushed UTF-8 remainder can still complete a stop string
-            tail, _ = StopMatcher(self.stopper.stops).feed(tail)
+        # the flushed UTF-8 remainder can still complete a stop string; held-back text that never did is shown
+        tail = "" if self.stopper.stopped else self.stopper.finish(self.utf8.flush())
+        self.stats.stop_string = self.stopper.matched
         stats = self.stats
         now = time.perf_counter()
         stats.total_time = now - self.started

@@ -40,14 +40,16 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buffer = self._pending + text
-        first: tuple[int, str] | None = None
+        # The stop string completed first wins (ties: the one starting first), as if the text came char by
+        # char, so the result never depends on how the text was cut into tokens.
+        first: tuple[int, int, str] | None = None
         for stop in self.stops:
             pos = buffer.find(stop)
-            if pos != -1 and (first is None or pos < first[0]):
-                first = (pos, stop)
+            if pos != -1 and (first is None or (pos + len(stop), pos) < first[:2]):
+                first = (pos + len(stop), pos, stop)
         if first is not None:
-            self.stopped, self.matched, self._pending = True, first[1], ""
-            return buffer[: first[0]], True
+            self.stopped, self.matched, self._pending = True, first[2], ""
+            return buffer[: first[1]], True
         hold = self._partial_suffix(buffer)
         self._pending = buffer[len(buffer) - hold :] if hold else ""
         return buffer[: len(buffer) - hold], False
@@ -56,6 +58,11 @@ class StopMatcher:
         """Release held-back text at the end of generation (it never became a stop string)."""
         text, self._pending = self._pending, ""
         return "" if self.stopped else text
+
+    def finish(self, text: str = "") -> str:
+        """Feed the last ``text`` (e.g. a flushed UTF-8 remainder) and release everything still held back."""
+        shown, stopped = self.feed(text)
+        return shown if stopped else shown + self.flush()
 
     def _partial_suffix(self, buffer: str) -> int:
         """Length of the longest suffix of ``buffer`` that is a proper prefix of some stop string."""

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Callable
 
 from modules.errors import BackendUnavailable
-from modules.loaders.base import Backend
+from modules.loaders.base import Backend, package_installed
 
 # name -> (module path, class name, python package it needs)
 _BUILTIN: dict[str, tuple[str, str, str]] = {
@@ -111,7 +110,7 @@ def available() -> dict[str, bool]:
         if name in _extra:
             result[name] = True
         else:
-            result[name] = importlib.util.find_spec(_BUILTIN[name][2]) is not None
+            result[name] = package_installed(_BUILTIN[name][2])
     return result
 
 
@@ -126,8 +125,10 @@ def get(name: str) -> type[Backend]:
     if key not in _BUILTIN:
         raise BackendUnavailable(f"unknown loader {name!r}; known loaders: {', '.join(names())}")
     module_name, class_name, package = _BUILTIN[key]
-    if importlib.util.find_spec(package) is None:
-        raise BackendUnavailable(f"the {key} loader needs the Python package '{package}', which is not installed")
+    if not package_installed(package):
+        raise BackendUnavailable(
+            f"the {key} loader needs the Python package '{package}', which is not installed: pip install {package}"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
+import sys
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from modules.errors import NotSupported
+from modules.errors import BackendUnavailable, NotSupported
 from modules.generation.params import GenerationParams
 
 # Parameters the pipeline itself applies, whatever the backend.
@@ -77,6 +79,16 @@ def pump(events: Iterator[TokenEvent], sink: TokenSink, name: str) -> None:
     threading.Thread(target=run, name=name, daemon=True).start()
 
 
+def package_installed(package: str) -> bool:
+    """True when ``import package`` would find it (or it is imported already)."""
+    if sys.modules.get(package) is not None:
+        return True
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent is missing, or a broken package
+        return False
+
+
 def _dispatch(items: list[tuple[TokenSink, TokenEvent | BaseException]]) -> None:
     for sink, event in items:
         sink.queue.put_nowait((sink.tag, event))
@@ -139,11 +151,30 @@ class Backend(ABC):
     option_names: ClassVar[tuple[str, ...]] = ()
     # GenerationParams fields this backend honours; a request setting another one away from its default is refused.
     supported_params: ClassVar[frozenset[str]] = frozenset()
+    # Python packages the loader imports; the default :meth:`check` refuses a load while one is missing.
+    required_packages: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self.metadata = ModelMetadata()
         self.path: Path | None = None
         self.max_parallel = 1
+
+    @classmethod
+    def check(cls, path: Path, options: dict[str, Any]) -> None:
+        """Refuse, in milliseconds and before the current model is unloaded, a load that cannot succeed here.
+
+        Raise BackendUnavailable (this machine cannot run the loader: a package or CUDA is missing) or
+        ModelLoadError (this model cannot be loaded: a missing, truncated or corrupt file, a bad option), with a
+        message that says what to do. Never load weights. This default checks :attr:`required_packages`;
+        backends add checks of their files and hardware (and call this one).
+        """
+        missing = [name for name in cls.required_packages if not package_installed(name)]
+        if missing:
+            raise BackendUnavailable(
+                f"the {cls.loader_name or cls.__name__} loader needs the Python package"
+                f"{'s' if len(missing) > 1 else ''} {', '.join(repr(m) for m in missing)}, which "
+                f"{'are' if len(missing) > 1 else 'is'} not installed: pip install {' '.join(missing)}"
+            )
 
     @classmethod
     @abstractmethod

@@ -30,6 +30,7 @@ from typing import Any
 
 from modules.errors import BackendUnavailable, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
+from modules.loaders import precheck
 from modules.loaders.base import Backend, TokenEvent, TopLogprob
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,18 @@ class ExllamaBackend(Backend):
         self._thread: threading.Thread | None = None
         self._context = DEFAULT_CONTEXT_CAP
         self._max_queue = 64
+
+    @classmethod
+    def check(cls, path: Path, options: dict[str, Any]) -> None:
+        """The library installed, a CUDA GPU, a model folder with complete weights, and a cache type it has."""
+        super().check(path, options)
+        require_cuda(cls.library)
+        precheck.hf_folder(path)
+        cls._check_cache(cache_choice(options))
+
+    @classmethod
+    def _check_cache(cls, kind: str) -> None:
+        """Raise ModelLoadError when the library has no ``kind`` cache."""
 
     # ---------------------------------------------------------------- subclass hooks
     @abstractmethod

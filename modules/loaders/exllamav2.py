@@ -62,11 +62,17 @@ class ExLlamaV2Backend(ExllamaBackend):
     library = "ExLlamaV2"
     option_names = OPTIONS["exllamav2"]
     supported_params = SUPPORTED
+    required_packages = ("exllamav2",)
 
     def __init__(self) -> None:
         super().__init__()
         self.paged = True
         self._breakers: dict[tuple[str, ...], set[int]] = {}
+
+    @classmethod
+    def _check_cache(cls, kind: str) -> None:
+        if kind not in CACHE_CLASSES:
+            raise ModelLoadError(f"ExLlamaV2 has no {kind!r} cache; --cache-type takes {', '.join(CACHE_CLASSES)}")
 
     @classmethod
     def load(cls, path: Path, options: dict[str, Any]) -> ExLlamaV2Backend:
@@ -81,8 +87,7 @@ class ExLlamaV2Backend(ExllamaBackend):
                 f"the exllamav2 package is missing or broken ({exc}): pip install exllamav2"
             ) from exc
         kind = cache_choice(options)
-        if kind not in CACHE_CLASSES:
-            raise ModelLoadError(f"ExLlamaV2 has no {kind!r} cache; --cache-type takes {', '.join(CACHE_CLASSES)}")
+        cls._check_cache(kind)
         self = cls()
         self.path = path
         try:

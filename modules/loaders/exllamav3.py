@@ -75,10 +75,15 @@ class ExLlamaV3Backend(ExllamaBackend):
     library = "ExLlamaV3"
     option_names = OPTIONS["exllamav3"]
     supported_params = SUPPORTED
+    required_packages = ("exllamav3",)
 
     def __init__(self) -> None:
         super().__init__()
         self.config: Any = None
+
+    @classmethod
+    def _check_cache(cls, kind: str) -> None:
+        cache_bits(kind)
 
     @classmethod
     def load(cls, path: Path, options: dict[str, Any]) -> ExLlamaV3Backend:

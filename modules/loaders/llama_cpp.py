@@ -27,7 +27,7 @@ from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
 from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
-from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_lora
+from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_lora, precheck
 from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
 from modules.loaders.llama_cpp_side import SideContext
@@ -100,6 +100,7 @@ class LlamaCppBackend(Backend):
     supports_embeddings = True
     option_names = OPTIONS["llama.cpp"]
     supported_params = SUPPORTED
+    required_packages = ("llama_cpp",)
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,6 +130,12 @@ class LlamaCppBackend(Backend):
 
     # ---------------------------------------------------------------- loading
     @classmethod
+    def check(cls, path: Path, options: dict[str, Any]) -> None:
+        """A .gguf file whose header reads and whose size covers the tensor data it declares (every shard)."""
+        super().check(path, options)
+        precheck.gguf_file(path)
+
+    @classmethod
     def load(cls, path: Path, options: dict[str, Any]) -> LlamaCppBackend:
         """Load a GGUF file and start the scheduler."""
         self = cls()
@@ -145,7 +152,10 @@ class LlamaCppBackend(Backend):
         try:
             self._model = LlamaModel(path_model=str(path), params=model_params, verbose=bool(options.get("verbose")))
         except (ValueError, OSError) as exc:
-            raise ModelLoadError(f"llama.cpp could not load {path.name}: {exc}") from exc
+            raise ModelLoadError(
+                f"llama.cpp could not load {path.name}: {exc} (the server log says why: most often an architecture "
+                "this llama.cpp build does not know, or not enough memory for the weights)"
+            ) from exc
         parallel = int(options.get("parallel") or 1)
         trained = self._model.n_ctx_train()
         self._n_ctx = int(options.get("n_ctx") or min(trained, 4096))

@@ -56,6 +56,7 @@ class RemoteBackend(Backend):
     supports_grammar = True
     option_names = OPTIONS["remote"]
     supported_params = frozenset(GenerationParams.field_names())
+    required_packages = ("httpx",)
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,6 +70,16 @@ class RemoteBackend(Backend):
         self._waiting = 0  # streams in flight, running or queued; guarded by _lock
         self._max_queue = 64
         self._lock = threading.Lock()
+
+    @classmethod
+    def check(cls, path: Path, options: dict[str, Any]) -> None:
+        """A --remote-url to reach (the engine itself is asked when loading)."""
+        super().check(path, options)
+        url = str(options.get("remote_url") or "")
+        if not url:
+            raise ModelLoadError("the remote loader needs --remote-url (e.g. http://gpu-box:8000)")
+        if not url.startswith(("http://", "https://")):
+            raise ModelLoadError(f"--remote-url must start with http:// or https://, not {url!r}")
 
     @classmethod
     def load(cls, path: Path, options: dict[str, Any]) -> RemoteBackend:

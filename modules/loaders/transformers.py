@@ -11,15 +11,16 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from modules import extensions
-from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFull
+from modules.errors import BackendUnavailable, InvalidRequest, ModelLoadError, NotSupported, QueueFull
 from modules.generation import sampling
 from modules.generation.params import GenerationParams
-from modules.loaders import OPTIONS
+from modules.loaders import OPTIONS, base, precheck, prequantized
 from modules.loaders.base import Backend, ModelMetadata, QueuePlace, TokenEvent, TopLogprob
 from modules.loaders.transformers_support import GrammarFactory, LoraStack, load_model_objects
 
@@ -36,6 +37,7 @@ class TransformersBackend(Backend):
     supports_logits_processors = True
     option_names = OPTIONS["transformers"]
     supported_params = sampling.SUPPORTED
+    required_packages = ("transformers", "torch")
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,6 +60,24 @@ class TransformersBackend(Backend):
     def supports_vision(self) -> bool:  # type: ignore[override]
         """True when the loaded model takes images."""
         return self.vision
+
+    @classmethod
+    def check(cls, path: Path, options: dict[str, Any]) -> None:
+        """An HF folder with config.json and complete weights (or a complete GGUF), and bitsandbytes if asked."""
+        super().check(path, options)
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            if not base.package_installed("gguf"):
+                raise BackendUnavailable("transformers reads GGUF files with the 'gguf' package: pip install gguf")
+            precheck.gguf_file(path)
+        else:
+            quant = precheck.folder_config(path).get("quantization_config")
+            if isinstance(quant, dict):  # GPTQ/AWQ: the library transformers hands it to must be installed
+                prequantized.check(types.SimpleNamespace(quantization_config=quant), path.name)
+            precheck.hf_folder(path)
+        if (options.get("load_in_4bit") or options.get("load_in_8bit")) and not base.package_installed("bitsandbytes"):
+            raise BackendUnavailable(
+                "--load-in-4bit/--load-in-8bit need the 'bitsandbytes' package: pip install bitsandbytes"
+            )
 
     @classmethod
     def load(cls, path: Path, options: dict[str, Any]) -> TransformersBackend:

@@ -6,6 +6,7 @@ import gradio as gr
 
 from modules import extensions
 from modules.ui import (
+    admin,
     chat_sidebar,
     chat_tab,
     code_notebook_tab,
@@ -19,12 +20,17 @@ from modules.ui import (
 CSS = """
 #chat-status, #context-usage { font-size: 0.85em; opacity: 0.8; }
 #chatbot { font-size: 0.95em; }
+#exposed-warning { border: 2px solid #d97706; border-radius: 6px; padding: 0 0.8em; background: #fffbeb; color: #7c2d12; }
+#admin-notice { font-size: 0.9em; opacity: 0.85; }
 """
 
 
 def build_ui() -> gr.Blocks:
     """The whole web UI as one Blocks app."""
-    with gr.Blocks(title="textgen") as demo:
+    with gr.Blocks(title="textgen") as demo, admin.collecting() as admin_controls:
+        exposed = admin.exposure_text()
+        gr.Markdown(exposed, visible=bool(exposed), elem_id="exposed-warning")
+        notice = gr.Markdown(visible=False, elem_id="admin-notice")  # filled for a signed-in non-admin
         with gr.Tab("Chat", id="chat"):
             with gr.Row():
                 with gr.Column(scale=4):
@@ -62,6 +68,7 @@ def build_ui() -> gr.Blocks:
         demo.load(parameters_tab.ignored_text, None, params.ignored)
         demo.load(params.page_load, None, params.page_load_outputs)
         demo.load(model_page_load, None, model_page_outputs)
+        demo.load(admin.page_load(admin_controls), None, [notice, *admin_controls], queue=False, show_progress="hidden")
     return demo
 
 

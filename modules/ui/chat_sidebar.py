@@ -15,6 +15,7 @@ import gradio as gr
 from modules.chat import characters as chars
 from modules.chat import history as store
 from modules.errors import TextgenError
+from modules.ui.admin import admin_control, admin_only
 from modules.ui.chat_tab import ChatUI, conversation, display, new_state, persist, user_of
 
 
@@ -70,13 +71,15 @@ def build() -> SidebarUI:
         char_greeting = gr.Textbox(label="Greeting", lines=2, elem_id="char-greeting")
         char_picture = gr.Image(label="Picture", type="filepath", height=160, elem_id="char-picture")
         with gr.Row():
-            char_save = gr.Button("Save character", elem_id="char-save", size="sm")
-            char_delete = gr.Button("Delete character", variant="stop", elem_id="char-delete", size="sm")
-        card = gr.UploadButton(
-            "Import a TavernAI / SillyTavern card (PNG or JSON)",
-            file_types=[".png", ".json"],
-            elem_id="card-upload",
-            size="sm",
+            char_save = admin_control(gr.Button("Save character", elem_id="char-save", size="sm"))
+            char_delete = admin_control(gr.Button("Delete character", variant="stop", elem_id="char-delete", size="sm"))
+        card = admin_control(
+            gr.UploadButton(
+                "Import a TavernAI / SillyTavern card (PNG or JSON)",
+                file_types=[".png", ".json"],
+                elem_id="card-upload",
+                size="sm",
+            )
         )
     return SidebarUI(chats, search, new, incognito, title, rename, delete, branch_index, branch, download, upload, message,
                      char_name, char_context, char_greeting, char_picture, char_save, char_delete, card)  # fmt: skip
@@ -273,7 +276,7 @@ def wire(chat: ChatUI, side: SidebarUI) -> tuple[Any, list[Any], list[Any]]:
         return gr.update(choices=chars.list_characters(), value=saved.key), f"Saved {saved.key}."
 
     side.char_save.click(
-        save_character,
+        admin_only("save characters")(save_character),
         [side.char_name, side.char_context, side.char_greeting, side.char_picture],
         [character, side.message],
         queue=False,
@@ -287,7 +290,9 @@ def wire(chat: ChatUI, side: SidebarUI) -> tuple[Any, list[Any], list[Any]]:
         remaining = chars.list_characters()
         return gr.update(choices=remaining, value=remaining[0] if remaining else None), f"Deleted {name}."
 
-    side.char_delete.click(delete_character, character, [character, side.message], queue=False)
+    side.char_delete.click(
+        admin_only("delete characters")(delete_character), character, [character, side.message], queue=False
+    )
 
     def import_card(file: str | None) -> tuple[Any, str]:
         if not file:
@@ -298,5 +303,5 @@ def wire(chat: ChatUI, side: SidebarUI) -> tuple[Any, list[Any], list[Any]]:
             return gr.skip(), f"Error: {exc}"
         return gr.update(choices=chars.list_characters(), value=imported.key), f"Imported {imported.name}."
 
-    side.card.upload(import_card, side.card, [character, side.message], queue=False)
+    side.card.upload(admin_only("import characters")(import_card), side.card, [character, side.message], queue=False)
     return restore, [character, mode], restore_outputs

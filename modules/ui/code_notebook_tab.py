@@ -18,6 +18,7 @@ from modules.errors import TextgenError
 from modules.notebook import document as doc
 from modules.notebook import kernel
 from modules.notebook.render import outputs_html
+from modules.ui.admin import admin_only
 from modules.ui.chat_tab import update_interval
 from modules.ui.code_notebook_handlers import (
     end_session,
@@ -34,6 +35,8 @@ from modules.ui.code_notebook_handlers import (
 from modules.ui.parameters_tab import ParamsUI
 
 log = logging.getLogger(__name__)
+# Code cells run with the server's rights: with --gradio-auth only --gradio-admin users may run them.
+RUN_CODE = "run code (it runs with the server's rights)"
 # The cells are redrawn when ``version`` changes; every redraw takes a new number, so two changes never cancel out.
 # Handlers change the notebook in place (the session keeps the same object): a cell that is still running when
 # the notebook is replaced (New, Open, Upload) writes into the old one and never brings it back.
@@ -237,7 +240,9 @@ def _draw(ui: CodeNotebookUI, params: ParamsUI, nb: doc.Notebook) -> None:
         return handler
 
     run_outputs = [ui.status, *outs, *labels, *fixes]
-    run_all.click(code_runner(None), [ui.state, ui.timeout, *sources], run_outputs, concurrency_limit=None)
+    run_all.click(
+        admin_only(RUN_CODE)(code_runner(None)), [ui.state, ui.timeout, *sources], run_outputs, concurrency_limit=None
+    )
     propose_inputs = [ui.state, *sources, *params.components]
 
     for i, cell, kind, run, fix, up, down, below, remove in rows:
@@ -248,7 +253,12 @@ def _draw(ui: CodeNotebookUI, params: ParamsUI, nb: doc.Notebook) -> None:
         wire_structure(remove, lambda n, i=i: doc.remove(n, i))
         proposal = [outs[i], ui.status, ui.version]
         if cell.kind == "code":
-            run.click(code_runner([i]), [ui.state, ui.timeout, *sources], run_outputs, concurrency_limit=None)
+            run.click(
+                admin_only(RUN_CODE)(code_runner([i])),
+                [ui.state, ui.timeout, *sources],
+                run_outputs,
+                concurrency_limit=None,
+            )
             fix.click(_proposer(i, params), propose_inputs, proposal, concurrency_limit=None)
         elif cell.kind == "generate":
             run.click(_proposer(i, params), propose_inputs, proposal, concurrency_limit=None)

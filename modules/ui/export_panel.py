@@ -15,6 +15,7 @@ import pandas as pd
 from modules import jobs, models, shared
 from modules.errors import TextgenError
 from modules.paths import UnsafePath, safe_child
+from modules.ui.admin import admin_control, admin_only
 
 KIND = "export"  # one export-like job at a time (merge, export, table): they each need the whole CPU
 
@@ -35,7 +36,7 @@ def _path(name: str, what: str, root: Path | None = None) -> Path:
     try:
         return safe_child(root or shared.models_dir(), name.strip())
     except UnsafePath as exc:
-        raise TextgenError(f"invalid {what}: {exc}") from exc
+        raise TextgenError(f"cannot use {name.strip()!r} as {what}: {exc}") from exc
 
 
 def job_text(job: jobs.Job | None) -> str:
@@ -68,6 +69,12 @@ def table_frame(job: jobs.Job | None) -> pd.DataFrame:
     return frame[["quant", "size_mb", "bits_per_weight", "perplexity", "ppl_ratio", "kld", "top1_same", "tokens_per_s"]]
 
 
+def refused(exc: Exception) -> str:
+    """A refused form, shown in the status line as well as in a toast (which queue=False events do not show)."""
+    gr.Warning(str(exc))
+    return f"**Refused:** {exc}"
+
+
 def _start(title: str, fn: Any) -> str:
     try:
         job = jobs.start(KIND, title, fn, exclusive=True)
@@ -90,22 +97,22 @@ def build() -> None:
                 quant = gr.Dropdown(list(GGUF_TYPES), value="Q4_K_M", label="Type", elem_id="export-quant")
             with gr.Row():
                 output = gr.Textbox(label="Output name in models/ (empty: NAME.TYPE.gguf)", elem_id="export-output")
-                base = gr.Dropdown(_sources(), label="Base (for a LoRA export)", elem_id="export-base")
+                base = gr.Dropdown(_sources(), value=None, label="Base (for a LoRA export)", elem_id="export-base")
                 check = gr.Checkbox(True, label="Fidelity check (greedy agreement, PPL, KLD vs F16)")
             with gr.Row():
-                export_btn = gr.Button("Export", variant="primary", elem_id="export-start")
-                cancel_btn = gr.Button("Cancel", elem_id="export-cancel")
+                export_btn = admin_control(gr.Button("Export", variant="primary", elem_id="export-start"))
+                cancel_btn = admin_control(gr.Button("Cancel", elem_id="export-cancel"))
         with gr.Tab("Merge LoRA"):
             with gr.Row():
                 merge_base = gr.Dropdown(_sources(), label="Base model (HF folder)", elem_id="merge-base")
                 merge_lora = gr.Dropdown(models.list_loras(), label="LoRA", elem_id="merge-lora")
                 merge_out = gr.Textbox(label="Merged model name in models/", elem_id="merge-output")
-            merge_btn = gr.Button("Merge", variant="primary", elem_id="merge-start")
+            merge_btn = admin_control(gr.Button("Merge", variant="primary", elem_id="merge-start"))
         with gr.Tab("Quant table"):
             with gr.Row():
                 table_source = gr.Dropdown(_sources(), label="Model (HF folder)", elem_id="table-source", scale=2)
                 types = gr.CheckboxGroup(list(GGUF_TYPES), value=list(DEFAULT_TYPES), label="Types", scale=3)
-            table_btn = gr.Button("Build the table", variant="primary", elem_id="table-start")
+            table_btn = admin_control(gr.Button("Build the table", variant="primary", elem_id="table-start"))
             table = gr.Dataframe(table_frame(None), interactive=False, elem_id="quant-table")
             plot = gr.ScatterPlot(table_frame(None), x="size_mb", y="perplexity", color="quant",
                                   title="File size (MB) against perplexity", elem_id="quant-plot")  # fmt: skip
@@ -120,8 +127,7 @@ def build() -> None:
             if fmt_ == "gguf-lora":
                 args.source = _path(name, "a LoRA", shared.loras_dir())
         except TextgenError as exc:
-            gr.Warning(str(exc))
-            return job_text(None)
+            return refused(exc)
         return _start(f"export {name} {quant_}", lambda r, c: export(args, r, c))
 
     def start_merge(base_: str, lora: str, out: str) -> str:
@@ -131,8 +137,7 @@ def build() -> None:
             args = MergeArgs(_path(base_, "a base model"), _path(lora, "a LoRA", shared.loras_dir()),
                              _path(out or f"{base_}-{lora}-merged", "an output name"))  # fmt: skip
         except TextgenError as exc:
-            gr.Warning(str(exc))
-            return job_text(None)
+            return refused(exc)
         return _start(f"merge {lora} into {base_}", lambda r, c: merge(args, r, c))
 
     def start_table(name: str, chosen: list[str]) -> str:
@@ -141,8 +146,7 @@ def build() -> None:
         try:
             source_path = _path(name, "a model")
         except TextgenError as exc:
-            gr.Warning(str(exc))
-            return job_text(None)
+            return refused(exc)
         args = TableArgs(source_path, shared.models_dir() / f"{name}-quants", tuple(chosen or DEFAULT_TYPES))
         return _start(f"quant table {name}", lambda r, c: build(args, r, c))
 
@@ -158,8 +162,9 @@ def build() -> None:
         frame = table_frame(table_job)
         return job_text(last), frame, frame
 
-    export_btn.click(start_export, [source, fmt, quant, output, base, check], status, queue=False)
-    merge_btn.click(start_merge, [merge_base, merge_lora, merge_out], status, queue=False)
-    table_btn.click(start_table, [table_source, types], status, queue=False)
-    cancel_btn.click(cancel, None, status, queue=False)
+    export_btn.click(admin_only("export models")(start_export), [source, fmt, quant, output, base, check], status,
+                     queue=False)  # fmt: skip
+    merge_btn.click(admin_only("merge LoRAs")(start_merge), [merge_base, merge_lora, merge_out], status, queue=False)
+    table_btn.click(admin_only("quantize models")(start_table), [table_source, types], status, queue=False)
+    cancel_btn.click(admin_only("cancel an export")(cancel), None, status, queue=False)
     gr.Timer(2.0).tick(poll, None, [status, table, plot], queue=False, show_progress="hidden")

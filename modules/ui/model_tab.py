@@ -14,6 +14,7 @@ from modules.errors import TextgenError
 from modules.lifecycle.memory import memory_text
 from modules.settings import Settings
 from modules.ui import download_panel, export_panel
+from modules.ui.admin import admin_control, admin_only
 
 AUTO = "auto (from the format)"
 
@@ -49,6 +50,9 @@ def _option_component(name: str) -> Any:
     info = Settings.model_fields[name]
     kind = typing.get_args(info.annotation) or (info.annotation,)
     value = getattr(shared.settings, name)
+    if typing.get_origin(info.annotation) is list:  # e.g. gpu_memory: one value per GPU
+        return gr.Textbox(value=" ".join(map(str, value or [])), label=name, info=info.description,
+                          elem_id=f"opt-{name}")  # fmt: skip
     if bool in kind:
         return gr.Checkbox(value=bool(value), label=name, info=info.description, elem_id=f"opt-{name}")
     if int in kind or float in kind:
@@ -92,13 +96,13 @@ def build() -> tuple[Callable[[], list[Any]], list[Any]]:
                 with gr.Column(min_width=180):
                     components.append(_option_component(name))
     with gr.Row():
-        load_btn = gr.Button("Load", variant="primary", elem_id="model-load")
-        reload_btn = gr.Button("Reload", elem_id="model-reload")
-        unload_btn = gr.Button("Unload", elem_id="model-unload")
+        load_btn = admin_control(gr.Button("Load", variant="primary", elem_id="model-load"))
+        reload_btn = admin_control(gr.Button("Reload", elem_id="model-reload"))
+        unload_btn = admin_control(gr.Button("Unload", elem_id="model-unload"))
     status = gr.Markdown(status_text, elem_id="model-status")
     with gr.Accordion("LoRA adapters", open=False):
         loras = gr.CheckboxGroup(models.list_loras(), label="Adapters in loras/", elem_id="lora-list")
-        apply_loras = gr.Button("Apply LoRAs", elem_id="lora-apply")
+        apply_loras = admin_control(gr.Button("Apply LoRAs", elem_id="lora-apply"))
     memory = gr.Markdown(memory_text, elem_id="memory")
     export_panel.build()
     download_panel.build(dropdown)  # the plan for this machine, estimate vs measured memory, Hub download
@@ -117,7 +121,9 @@ def build() -> tuple[Callable[[], list[Any]], list[Any]]:
         result = {}
         for name, value in zip(option_names, values, strict=True):
             automatic = Settings.model_fields[name].default is None
-            if value in ("", None) or (automatic and value == 0):
+            if typing.get_origin(Settings.model_fields[name].annotation) is list:
+                value = str(value or "").replace(",", " ").split()
+            if value in ("", None, []) or (automatic and value == 0):
                 continue
             result[name] = value
         return result
@@ -159,10 +165,14 @@ def build() -> tuple[Callable[[], list[Any]], list[Any]]:
 
     loader.change(visible_options, [loader, dropdown], components, queue=False)
     dropdown.change(visible_options, [loader, dropdown], components, queue=False)
-    load_btn.click(load, [dropdown, loader, *components], [status, memory], concurrency_limit=1)
-    reload_btn.click(reload, [loader, *components], [status, memory], concurrency_limit=1)
-    unload_btn.click(unload, None, [status, memory], concurrency_limit=1)
-    apply_loras.click(apply, loras, [status, memory], concurrency_limit=1)
+    load_btn.click(admin_only("load models")(load), [dropdown, loader, *components], [status, memory],
+                   concurrency_limit=1, api_name="model_load")  # fmt: skip
+    reload_btn.click(admin_only("reload the model")(reload), [loader, *components], [status, memory],
+                     concurrency_limit=1, api_name="model_reload")  # fmt: skip
+    unload_btn.click(admin_only("unload the model")(unload), None, [status, memory], concurrency_limit=1,
+                     api_name="model_unload")  # fmt: skip
+    apply_loras.click(admin_only("apply LoRAs")(apply), loras, [status, memory], concurrency_limit=1,
+                      api_name="lora_apply")  # fmt: skip
     refresh_btn.click(refresh, None, [dropdown, table, loras], queue=False)
     timer = gr.Timer(3.0)
     timer.tick(lambda: (status_text(), memory_text()), None, [status, memory], queue=False, show_progress="hidden")

@@ -18,6 +18,7 @@ from modules import models, shared
 from modules.errors import TextgenError
 from modules.generation import presets
 from modules.generation.params import GenerationParams
+from modules.ui.admin import admin_control, admin_only
 
 GROUPS = {
     "limits": "Length and stopping",
@@ -161,10 +162,10 @@ def build() -> ParamsUI:
             scale=3,
         )
         load_btn = gr.Button("Load", elem_id="preset-load", scale=1)
-        delete_btn = gr.Button("Delete", elem_id="preset-delete", scale=1)
+        delete_btn = admin_control(gr.Button("Delete", elem_id="preset-delete", scale=1))
     with gr.Row():
         new_name = gr.Textbox(label="Save as preset", placeholder="name", elem_id="preset-name", scale=3)
-        save_btn = gr.Button("Save", elem_id="preset-save", scale=1)
+        save_btn = admin_control(gr.Button("Save", elem_id="preset-save", scale=1))
     message = gr.Markdown(elem_id="preset-message")
     sampling = gr.Markdown(sampling_text(), elem_id="params-sampling")
     ignored = gr.Markdown(ignored_text(), elem_id="params-ignored")
@@ -229,6 +230,6 @@ def build() -> ParamsUI:
 
     load_btn.click(load, preset, [*components, message])
     preset.input(load, preset, [*components, message])
-    save_btn.click(save, [new_name, *components], [preset, message])
-    delete_btn.click(delete, preset, [preset, message])
+    save_btn.click(admin_only("save presets")(save), [new_name, *components], [preset, message])
+    delete_btn.click(admin_only("delete presets")(delete), preset, [preset, message])
     return ui

@@ -9,6 +9,7 @@ import gradio as gr
 
 from modules import extensions, session
 from modules.errors import TextgenError
+from modules.ui.admin import admin_control, admin_only
 
 
 def build() -> None:
@@ -23,15 +24,15 @@ def build() -> None:
         label="Enabled",
         elem_id="extensions-enabled",
     )
-    apply = gr.Button(
-        "Apply (hooks at once; an extension's own UI appears after a restart)", elem_id="extensions-apply"
+    apply = admin_control(
+        gr.Button("Apply (hooks at once; an extension's own UI appears after a restart)", elem_id="extensions-apply")
     )
     message = gr.Markdown(elem_id="extensions-message")
     with gr.Row():
         chosen = gr.Dropdown(
             [e.name for e in extensions.loaded()], label="Extension params", elem_id="params-extension"
         )
-        save_params = gr.Button("Set params")
+        save_params = admin_control(gr.Button("Set params", elem_id="params-set"))
     editor = gr.Code(language="json", label="params", elem_id="params-editor")
 
     def do_apply(names: list[str]) -> tuple[Any, str, Any]:
@@ -46,14 +47,14 @@ def build() -> None:
             return f"Error: {exc}"
         return f"params of {name} updated"
 
-    apply.click(do_apply, enabled, [table, message, chosen])
+    apply.click(admin_only("enable or disable extensions")(do_apply), enabled, [table, message, chosen])
     chosen.change(session.params_json, chosen, editor)
-    save_params.click(do_set, [chosen, editor], message)
+    save_params.click(admin_only("change extension params")(do_set), [chosen, editor], message)
 
     gr.Markdown("### Settings")
     shown = gr.Code(json.dumps(session.flags(), indent=2), language="json", label="In effect", elem_id="flags")
-    save = gr.Button(
-        "Save settings to user_data/settings.yaml (keys and passwords are left out)", elem_id="save-settings"
+    save = admin_control(
+        gr.Button("Save settings to user_data/settings.yaml (keys and passwords are left out)", elem_id="save-settings")
     )
     saved = gr.Markdown(elem_id="save-settings-message")
 
@@ -61,4 +62,4 @@ def build() -> None:
         path = session.save_settings()
         return json.dumps(session.flags(), indent=2), f"Saved {path}"
 
-    save.click(do_save, None, [shown, saved])
+    save.click(admin_only("save settings")(do_save), None, [shown, saved])

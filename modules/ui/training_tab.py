@@ -16,6 +16,7 @@ from modules.errors import TextgenError
 from modules.training import background
 from modules.training.args import BATCHING, OPTIMIZERS, SCHEDULERS, TrainingArgs, field_docs
 from modules.training.evaluate import EvalArgs
+from modules.ui.admin import admin_control, admin_only
 
 MAIN = ("model", "dataset", "format", "name", "epochs", "learning_rate", "rank", "alpha", "micro_batch_size",
         "cutoff_len", "eval_split", "save_steps")  # fmt: skip
@@ -125,9 +126,9 @@ def build() -> None:
                     if name not in components:
                         components[name] = _component(name, hints[name])
             with gr.Row():
-                start = gr.Button("Start training", variant="primary", elem_id="train-start")
-                resume = gr.Button("Resume", elem_id="train-resume")
-                stop = gr.Button("Stop", variant="stop", elem_id="train-stop")
+                start = admin_control(gr.Button("Start training", variant="primary", elem_id="train-start"))
+                resume = admin_control(gr.Button("Resume", elem_id="train-resume"))
+                stop = admin_control(gr.Button("Stop", variant="stop", elem_id="train-stop"))
                 refresh = gr.Button("Refresh lists", elem_id="train-refresh")
         with gr.Column(scale=2):
             status = gr.Markdown(status_text(background.current()), elem_id="training-status")
@@ -135,8 +136,8 @@ def build() -> None:
                                elem_id="training-plot", height=280)  # fmt: skip
             with gr.Row():
                 adapter = gr.Dropdown(background.trained_adapters(), label="Adapter", elem_id="train-adapter")
-                apply = gr.Button("Apply to the loaded model", elem_id="train-apply")
-                evaluate = gr.Button("Compare perplexity", elem_id="train-evaluate")
+                apply = admin_control(gr.Button("Apply to the loaded model", elem_id="train-apply"))
+                evaluate = admin_control(gr.Button("Compare perplexity", elem_id="train-evaluate"))
             action = gr.Markdown("", elem_id="train-action")
             table = gr.Dataframe(headers=["model", "loss", "perplexity"], label="Perplexity", elem_id="train-ppl",
                                  interactive=False)  # fmt: skip
@@ -194,11 +195,18 @@ def build() -> None:
         return (gr.update(choices=background.hf_models()), gr.update(choices=background.dataset_files()),
                 gr.update(choices=["", *background.format_files()]), gr.update(choices=background.trained_adapters()))  # fmt: skip
 
-    start.click(lambda *v: launch(False, *v), inputs, status, concurrency_limit=1)
-    resume.click(lambda *v: launch(True, *v), inputs, status, concurrency_limit=1)
-    stop.click(halt, None, status, queue=False)
-    apply.click(apply_adapter, adapter, action, concurrency_limit=1)
-    evaluate.click(compare, [adapter, components["model"]], action, concurrency_limit=1)
+    def launch_new(*values: Any) -> str:
+        return launch(False, *values)
+
+    def launch_resume(*values: Any) -> str:
+        return launch(True, *values)
+
+    start.click(admin_only("start training")(launch_new), inputs, status, concurrency_limit=1)
+    resume.click(admin_only("resume training")(launch_resume), inputs, status, concurrency_limit=1)
+    stop.click(admin_only("stop training")(halt), None, status, queue=False)
+    apply.click(admin_only("apply LoRAs")(apply_adapter), adapter, action, concurrency_limit=1)
+    evaluate.click(admin_only("run evaluations")(compare), [adapter, components["model"]], action,
+                   concurrency_limit=1)  # fmt: skip
     refresh.click(lists, None, [components["model"], components["dataset"], components["format"], adapter])
     timer = gr.Timer(1.0)
     timer.tick(tick, None, [status, plot, table], queue=False, show_progress="hidden")

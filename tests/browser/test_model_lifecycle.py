@@ -63,3 +63,37 @@ def test_plan_memory_and_download_in_the_model_tab(page, live_server_factory, tm
         assert not (models / "org_slow").exists() and list((models / ".downloads").rglob("*.part"))
     finally:
         hub.stop()
+
+
+def test_export_panel_writes_a_gguf_and_refuses_a_bad_name(page, live_server_factory, tiny_models, tmp_path) -> None:
+    """Export a tiny HF model to Q8_0 from the Model tab, as a person would; a name outside models/ is refused."""
+    from modules.lifecycle import quantize
+    from tests.browser.helpers import choose
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / DEFAULT_MODEL).symlink_to(default_model_path())
+    (models / "tiny-llama").symlink_to(tiny_models / "tiny-llama", target_is_directory=True)
+    server = live_server_factory("--model-dir", str(models), "--user-data-dir", str(tmp_path / "ud"))
+    open_ui(page, server.url)
+    page.get_by_role("tab", name="Model").click()
+    page.get_by_text("Merge, export and quantize").click()
+    choose(page, "#export-source", "tiny-llama")
+    choose(page, "#export-quant", "Q8_0")
+    page.get_by_label("Fidelity check (greedy agreement, PPL, KLD vs F16)").uncheck()
+    fill(page, "#export-output", "../outside.gguf")
+    page.click("#export-start")
+    page.locator("#export-status").get_by_text("as an output name").wait_for(timeout=10_000)
+    assert not (tmp_path / "outside.gguf").exists()
+
+    fill(page, "#export-output", "tiny.Q8_0.gguf")
+    page.keyboard.press("Tab")
+    page.click("#export-start")
+    status = page.locator("#export-status")
+    status.get_by_text("done").wait_for(timeout=120_000)
+    assert "done. wrote tiny.Q8_0.gguf" in status.inner_text()
+    out = models / "tiny.Q8_0.gguf"
+    assert quantize.tensor_types(out).get("Q8_0", 0) > 0
+    assert sorted(p.name for p in models.iterdir() if not p.name.startswith(".")) == [
+        DEFAULT_MODEL, "tiny-llama", "tiny.Q8_0.gguf"
+    ]  # fmt: skip

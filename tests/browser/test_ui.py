@@ -27,6 +27,14 @@ from tests.conftest import ARTIFACTS
 
 pytestmark = pytest.mark.browser
 TABS = ["Chat", "Notebook", "Default", "Parameters", "Model", "Session"]
+TAB_CONTROLS = {  # an element only that tab shows
+    "Chat": "#chat-input textarea",
+    "Notebook": "#notebook-text textarea",
+    "Default": "#default-input textarea",
+    "Parameters": "#preset-dropdown input",
+    "Model": "#model-status",
+    "Session": "#extensions-table",
+}
 
 
 def test_regenerate_and_browse_versions(page, shared_server) -> None:
@@ -108,9 +116,16 @@ def test_switch_character_in_chat_mode(page, shared_server) -> None:
     page.wait_for_function("() => document.querySelector('#chatbot')?.innerText.includes('Gather round, traveller')")
     set_deterministic(page)
     send(page, "Tell me about the sea.")
-    assert len(bot_messages(page)) == 2 and bot_messages(page)[-1].strip()
+    assert len(bot_messages(page)) == 2
+    told = bot_messages(page)[-1].strip()
+    # the reply is the character's own turn: no "Storyteller:" prefix shown, and the chat-mode stop string
+    # ("\nYou:") ends it before the model starts writing the user's next line
+    assert told and not told.startswith("Storyteller:") and "You:" not in told, told
     choose(page, "#character-dropdown", "Assistant")
     page.wait_for_function("() => !document.querySelector('#chatbot')?.innerText.includes('Gather round, traveller')")
+    send(page, "Tell me about the sea.")  # the same message to another character: another reply
+    answered = bot_messages(page)[-1].strip()
+    assert answered and "You:" not in answered and answered != told, answered
 
 
 def card_png(name: str) -> bytes:
@@ -184,10 +199,27 @@ def test_screenshot_of_every_tab(page, shared_server) -> None:
     open_ui(page, shared_server.url)
     folder = ARTIFACTS / "tabs"
     folder.mkdir(parents=True, exist_ok=True)
+    shots: dict[str, bytes] = {}
     for tab in TABS:
         page.get_by_role("tab", name=tab).click()
+        # the tab is the selected one and its own controls are on screen before the picture is taken
+        page.wait_for_function(
+            "(name) => [...document.querySelectorAll('[role=tab]')].some("
+            "t => t.innerText.trim() === name && t.getAttribute('aria-selected') === 'true')",
+            arg=tab,
+        )
+        page.locator(TAB_CONTROLS[tab]).first.wait_for(state="visible")
+        for other, selector in TAB_CONTROLS.items():
+            if other != tab and selector != TAB_CONTROLS[tab]:
+                assert not page.locator(selector).first.is_visible(), (tab, other)  # the other tabs are hidden
         time.sleep(0.6)
-        page.screenshot(path=str(folder / f"{tab.lower()}.png"), full_page=True)
-        assert (folder / f"{tab.lower()}.png").stat().st_size > 5_000
+        path = folder / f"{tab.lower()}.png"
+        page.screenshot(path=str(path), full_page=True)
+        shots[tab] = path.read_bytes()
+        with Image.open(path) as image:
+            assert image.width >= 1280 and image.height >= 600
+            colours = image.convert("RGB").getcolors(maxcolors=1 << 20) or []
+            assert len(colours) > 50, tab  # text and widgets, not a blank or one-colour page
         if tab == "Model":
             assert "Loaded" in page.inner_text("#model-status") and "RAM" in page.inner_text("#memory")
+    assert len(set(shots.values())) == len(TABS)  # every tab looks different

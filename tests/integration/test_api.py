@@ -255,8 +255,21 @@ def test_tool_choice_none_and_a_tool_result_turn(client: openai.OpenAI, shared_s
     )
     prompt = httpx.post(shared_server.url + "/v1/internal/chat-prompt", json=turn, timeout=60).json()["prompt"]
     assert "Sunny, 21 C" in prompt and "get_weather" in prompt  # the call and its result reach the model
-    follow_up = client.chat.completions.create(**turn)  # type: ignore[call-overload]
-    assert follow_up.choices[0].message.content or follow_up.choices[0].message.tool_calls
+    for tool_choice in ("auto", "required"):
+        follow_up = client.chat.completions.create(**turn, tool_choice=tool_choice)  # type: ignore[call-overload]
+        choice = follow_up.choices[0]
+        assert choice.message.tool_calls or tool_choice == "auto"
+        if choice.message.tool_calls:  # the small model may ask again: then as a well-formed, fresh call
+            assert choice.finish_reason == "tool_calls" and not choice.message.content
+            for call in choice.message.tool_calls:
+                assert call.type == "function" and call.id and call.id != "call_1"
+                assert call.function.name == "get_weather"
+                jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+        else:
+            assert choice.finish_reason in ("stop", "length") and choice.message.content.strip()
+    answer = client.chat.completions.create(**{**turn, "tool_choice": "none", "max_tokens": 40})  # type: ignore[call-overload]
+    assert answer.choices[0].message.tool_calls is None
+    assert "21" in answer.choices[0].message.content  # the tool's result reached the reply
 
 
 def test_legacy_completions_echo_logprobs_and_best_of(client: openai.OpenAI) -> None:
@@ -270,10 +283,16 @@ def test_legacy_completions_echo_logprobs_and_best_of(client: openai.OpenAI) -> 
     assert "".join(lp.tokens) == choice.text
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
-    plain = client.completions.create(
-        model="m", prompt="Once upon a time", max_tokens=8, n=2, best_of=4, seed=1, temperature=1.0
-    )
+    # best_of: the n choices returned are the best_of candidates with the highest total logprob, best first.
+    # Candidate i is sampled with seed + i, so n=best_of with the same seed shows every candidate and its logprob.
+    sample = dict(model="m", prompt="Once upon a time", max_tokens=8, seed=1, temperature=1.0)
+    every = client.completions.create(**sample, n=4, best_of=4, logprobs=0)  # type: ignore[call-overload]
+    candidates = sorted(((sum(c.logprobs.token_logprobs), c.text) for c in every.choices), reverse=True)
+    assert len({text for _, text in candidates}) == 4  # four different candidates to choose from
+    plain = client.completions.create(**sample, n=2, best_of=4)  # type: ignore[call-overload]
     assert [c.index for c in plain.choices] == [0, 1]
+    assert [c.text for c in plain.choices] == [text for _, text in candidates[:2]]
+    assert [c.text for c in plain.choices] != [c.text for c in every.choices[:2]]  # a choice was made
     batch = client.completions.create(model="m", prompt=["One", "Two"], max_tokens=3, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1]
     with pytest.raises(openai.BadRequestError) as info:
@@ -472,3 +491,21 @@ def test_langchain_openai_classes_work_unmodified(shared_server) -> None:
         check_embedding_ctx_length=False,
     )
     assert len(embeddings.embed_query("hello")) == 384
+
+
+def test_unknown_paths_and_methods_get_openai_errors_with_the_web_ui_mounted(shared_server) -> None:
+    """The web UI is mounted at /, so without care an unknown /v1 path got Gradio's {"detail": "Not Found"}."""
+    import httpx
+
+    for method, path, status in (
+        ("GET", "/v1/nope", 404),
+        ("POST", "/v1/chat/complete", 404),
+        ("DELETE", "/v1/models", 405),
+        ("PUT", "/v1/chat/completions", 405),
+    ):
+        answer = httpx.request(method, shared_server.url + path, timeout=30)
+        assert answer.status_code == status, (method, path, answer.text)
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error" and path in error["message"], error
+    assert httpx.get(shared_server.url + "/v1/models", timeout=30).status_code == 200  # real routes still answer
+    assert httpx.get(shared_server.url + "/", timeout=30).status_code == 200  # and so does the web UI

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -103,7 +104,7 @@ def test_internal_endpoints(shared_server) -> None:
     logits = httpx.post(url + "/logits", json={"prompt": "The capital of France is", "top_logits": 5}).json()
     assert len(logits) == 5 and 0 < sum(logits.values()) <= 1.0001
     assert max(logits, key=logits.get).strip() == "Paris"
-    assert httpx.post(url + "/stop-generation").json() == {"status": "OK"}
+    assert httpx.post(url + "/stop-generation").json() == {"status": "OK", "stopped": 0}
     assert httpx.get(url + "/lora/list").json() == {"lora_names": []}
 
 
@@ -256,3 +257,181 @@ def test_anthropic_messages(shared_server) -> None:
         timeout=60,
     ).json()
     assert "Paris" in prefill["content"][0]["text"]
+
+
+# ------------------------------------------------------------------ security: admin key, settings, stop, images
+def _app_with(flags: list[str], user_data: Path, models_dir: Path, exts: tuple[str, ...] = ("openai",)):  # type: ignore[no-untyped-def]
+    """The API in-process (no web UI) with these flags, as server.py would start it."""
+    from fastapi.testclient import TestClient
+
+    from modules import extensions, shared
+    from modules.settings import load_settings
+    from server import create_app
+
+    base = ["--user-data-dir", str(user_data), "--model-dir", str(models_dir), "--model", "none", "--nowebui"]
+    shared.init(load_settings([*base, *flags], env={}))
+    extensions.load_extensions(list(exts))
+    return TestClient(create_app())
+
+
+USER = {"Authorization": "Bearer sk-user"}
+ADMIN = {"Authorization": "Bearer sk-admin"}
+
+
+def test_the_api_key_alone_grants_no_admin_work(
+    hub: object, user_data: Path, with_default_model: Path, models_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="extensions.openai.auth"):
+        client = _app_with(["--api-key", "sk-user"], user_data, models_dir)
+    assert caplog.text.count("--api-key is set without --admin-key") == 1  # said once, at startup
+    for path, body in (
+        ("/v1/internal/model/load", {"model_name": DEFAULT_MODEL}),
+        ("/v1/internal/model/unload", None),
+        ("/v1/internal/lora/load", {"lora_names": ["x"]}),
+        ("/v1/internal/model/download", {"repo": "org/x"}),
+    ):
+        refused = client.post(path, json=body, headers=USER)
+        assert refused.status_code == 403, path
+        error = refused.json()["error"]
+        assert error["type"] == "permission_error" and error["code"] == "admin_key_not_set"
+        assert "--admin-key" in error["message"], path
+    switch = client.post("/v1/chat/completions", json={"model": DEFAULT_MODEL, "messages": CAPITAL}, headers=USER)
+    assert switch.status_code == 403 and switch.json()["error"]["param"] == "model"  # no load through `model`
+    assert client.get("/v1/internal/model/list", headers=USER).status_code == 200  # ordinary endpoints work
+
+
+def test_without_any_key_admin_endpoints_stay_open(hub: object, user_data: Path, models_dir: Path) -> None:
+    client = _app_with([], user_data, models_dir)
+    assert client.post("/v1/internal/model/unload").status_code == 200
+    assert client.post("/v1/internal/stop-generation").json() == {"status": "OK", "stopped": 0}
+
+
+MARKER_CODE = """
+from pathlib import Path
+Path(MARKER).write_text("the model's own Python ran")  # transformers runs a copy elsewhere: an absolute path
+from transformers import LlamaConfig, LlamaForCausalLM
+class MarkerConfig(LlamaConfig):
+    model_type = "llama"
+class MarkerModel(LlamaForCausalLM):
+    config_class = MarkerConfig
+"""
+
+
+def test_a_model_folder_cannot_make_the_load_route_trust_its_code(
+    hub: object, user_data: Path, models_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A downloaded folder whose textgen.yaml says trust_remote_code: true loads without running its code; a load
+    request asking for trust_remote_code is a 400 naming the field."""
+    from modules import shared
+    from tests.conftest import hf_default_model
+    from tests.fixtures.tiny_hf import build_tiny_llama
+
+    folder = build_tiny_llama(models_dir / "shipped-code", hf_default_model())
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "marker.MarkerConfig", "AutoModelForCausalLM": "marker.MarkerModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "marker.py").write_text(f"MARKER = {str(folder / 'REMOTE_CODE_RAN')!r}\n" + MARKER_CODE)
+    (folder / "textgen.yaml").write_text("trust_remote_code: true\nn_ctx: 512\n")
+    client = _app_with(["--admin-key", "sk-admin"], user_data, models_dir)
+
+    with caplog.at_level("WARNING", logger="modules.models_settings"):
+        loaded = client.post("/v1/internal/model/load", json={"model_name": "shipped-code"}, headers=ADMIN)
+    assert loaded.status_code == 200, loaded.text
+    assert not (folder / "REMOTE_CODE_RAN").exists()  # the model's Python never ran
+    assert shared.model_options["trust_remote_code"] is False and shared.model_options["n_ctx"] == 512
+    assert "textgen.yaml: trust_remote_code ignored" in caplog.text
+    info = client.get("/v1/internal/model/info", headers=ADMIN).json()
+    assert info["model_name"] == "shipped-code" and info["loader"] == "transformers"
+
+    for args in ({"trust_remote_code": True}, {"n_ctx": 256, "remote_url": "http://x"}, {"model_dir": "/"}):
+        refused = client.post(
+            "/v1/internal/model/load", json={"model_name": "shipped-code", "args": args}, headers=ADMIN
+        )
+        key = next(k for k in args if k != "n_ctx")
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == f"args.{key}" and key in refused.json()["error"]["message"]
+    refused = client.post(
+        "/v1/internal/model/load", json={"model_name": "shipped-code", "settings": {"api_key": "x"}}, headers=ADMIN
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "settings.api_key"
+    assert shared.model_name == "shipped-code" and not (folder / "REMOTE_CODE_RAN").exists()  # nothing unloaded
+
+
+def _stream(url: str, headers: dict[str, str], seen: list[str], done: threading.Event) -> None:
+    body = {"messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 3000,
+            "stream": True, "ban_eos": True}  # fmt: skip
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    seen.append(line)
+    finally:
+        done.set()
+
+
+def _wait(predicate, seconds: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stop_generation_stops_only_the_callers_own(live_server_factory, tmp_path: Path) -> None:
+    """Two streams with different keys: the API-key holder's stop ends only its own; the admin key's ends all."""
+    server = live_server_factory(
+        "--api-key", "sk-user", "--admin-key", "sk-admin", "--user-data-dir", str(tmp_path / "ud")
+    )
+    url = server.url
+    mine: list[str] = []
+    theirs: list[str] = []
+    mine_done, theirs_done = threading.Event(), threading.Event()
+    threads = [
+        threading.Thread(target=_stream, args=(url, USER, mine, mine_done), daemon=True),
+        threading.Thread(target=_stream, args=(url, ADMIN, theirs, theirs_done), daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    assert _wait(lambda: len(mine) > 3 and len(theirs) > 3, 60), (len(mine), len(theirs))
+
+    stopped = httpx.post(url + "/v1/internal/stop-generation", headers=USER).json()
+    assert stopped == {"status": "OK", "stopped": 1}
+    assert mine_done.wait(10) and len(mine) < 3000  # the caller's own stream ended early
+    at_stop = len(theirs)
+    assert _wait(lambda: len(theirs) > at_stop + 5, 20) and not theirs_done.is_set()  # the other one goes on
+
+    assert httpx.post(url + "/v1/internal/stop-generation", headers=USER).json()["stopped"] == 0
+    stopped = httpx.post(url + "/v1/internal/stop-generation", headers=ADMIN).json()
+    assert stopped == {"status": "OK", "stopped": 1}
+    assert theirs_done.wait(10) and len(theirs) < 3000
+    for thread in threads:
+        thread.join(5)
+
+
+def test_image_generation_bounds_and_pipeline_switch(hub: object, user_data: Path, models_dir: Path) -> None:
+    from tests.fixtures.tiny_diffusers import build_tiny_pipeline
+
+    build_tiny_pipeline(models_dir / "tiny-a")
+    shutil.copytree(models_dir / "tiny-a", models_dir / "tiny-b")
+    client = _app_with(
+        ["--api-key", "sk-user", "--admin-key", "sk-admin"], user_data, models_dir, ("openai", "image_generation")
+    )
+    url = "/v1/images/generations"
+    body = {"prompt": "a lighthouse", "size": "32x32", "steps": 2, "response_format": "b64_json"}
+    for field, value in (
+        ("n", 9), ("n", 0), ("n", 1.5), ("n", "many"), ("steps", 151), ("steps", 0), ("size", "2048x512"),
+        ("size", "1032x1024"), ("size", 512), ("seed", "x"),
+    ):  # fmt: skip
+        refused = client.post(url, json={**body, field: value}, headers=USER)
+        assert refused.status_code == 400, (field, value, refused.text)
+        assert refused.json()["error"]["param"] == field, (field, value)
+    assert len(client.post(url, json={**body, "n": 2}, headers=USER).json()["data"]) == 2  # tiny-a, the default
+    assert client.post(url, json={**body, "model": "tiny-a"}, headers=USER).status_code == 200  # the one in use
+    assert client.post(url, json={**body, "model": "dall-e-3"}, headers=USER).status_code == 200
+    switch = client.post(url, json={**body, "model": "tiny-b"}, headers=USER)
+    assert switch.status_code == 403 and switch.json()["error"]["param"] == "model"
+    assert "--admin-key" in switch.json()["error"]["message"]
+    assert client.post(url, json={**body, "model": "no-such"}, headers=USER).status_code == 403
+    assert client.post(url, json={**body, "model": "tiny-b"}, headers=ADMIN).status_code == 200
+    assert client.post(url, json={**body, "model": "tiny-b"}, headers=USER).status_code == 200  # now in use

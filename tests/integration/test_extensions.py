@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import textwrap
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
 
 import pytest
 from fastapi.testclient import TestClient
@@ -20,6 +23,53 @@ from modules.generation.pipeline import generate_text
 from tests.conftest import DEFAULT_MODEL
 
 SYSTEM = "You are a helpful AI assistant."
+
+
+def asgi_get(app: Any, raw_path: bytes) -> tuple[int, dict[str, str], bytes]:
+    """GET ``raw_path`` exactly as written (no `..` normalisation), the way uvicorn hands a raw request line on."""
+    import anyio
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": unquote(raw_path.decode("ascii")),
+        "raw_path": raw_path,
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"testserver")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def call() -> None:
+        done = anyio.Event()
+        requested = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await done.wait()  # the client hangs up once the whole response has come
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                done.set()
+
+        await app(scope, receive, send)
+
+    anyio.run(call)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return int(start["status"]), headers, body
+
 
 HOOKTEST = """
 from typing import Any
@@ -333,7 +383,22 @@ def test_image_generation_api_and_chat(with_default_model: Path, models_dir: Pat
     assert client.post("/v1/images/generations", json={**body, "size": "33x33"}).status_code == 400
     assert client.post("/v1/images/generations", json={**body, "model": "no-such-pipeline"}).status_code == 404
     assert client.post("/v1/images/generations", json={"n": 1}).status_code == 400
-    assert client.get("/v1/images/files/../../secret.png").status_code == 404
+    # A path that climbs out of the images folder, sent as a raw request line would bring it (httpx, and so
+    # TestClient, would normalise the `..` away before it reached the route): nothing outside is served.
+    secret = b"\x89PNG not for you"
+    (shared.user_data_dir() / "secret.png").write_bytes(secret)
+    (shared.user_data_dir() / "cache" / "secret.png").write_bytes(secret)
+    for raw in (
+        b"/v1/images/files/../../secret.png",
+        b"/v1/images/files/../secret.png",
+        b"/v1/images/files/%2e%2e%2f%2e%2e%2fsecret.png",
+        b"/v1/images/files/..%2Fsecret.png",
+        b"/v1/images/files/..%5Csecret.png",
+        b"/v1/images/files/%2e%2e",
+    ):
+        status, headers, content = asgi_get(client.app, raw)
+        assert status == 404 and secret not in content, (raw, status, content[:80])
+        assert headers.get("content-type") == "application/json" and json.loads(content), raw
 
     (ext,) = [e for e in extensions.active() if e.name == "image_generation"]
     ext.params.update(width=32, height=32, steps=2)

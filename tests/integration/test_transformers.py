@@ -46,6 +46,11 @@ def test_real_model_as_hf_folder_answers(hub: object, models_dir: Path) -> None:
     assert "Paris" in text and stats.finish_reason == "stop"
 
 
+def token_ids(prompt: str, params: GenerationParams) -> list[int]:
+    """The ids of the tokens a generation produced."""
+    return [t.token_id for d in generate_reply(prompt, params) for t in d.tokens]
+
+
 def test_streams_seeds_samplers_and_cancel(tiny: Path) -> None:
     backend = models.load_model("tiny-llama")
     prompt = "Once upon a time"
@@ -62,6 +67,23 @@ def test_streams_seeds_samplers_and_cancel(tiny: Path) -> None:
     assert stats.new_tokens == 12
     for mode in (1, 2):
         assert generate_text(prompt, params.replace(mirostat_mode=mode))[1].new_tokens == 12
+    # The samplers change what comes out the way they say: greedy is deterministic, and every filter that keeps
+    # only the most likely token turns a seeded sample back into the greedy answer, whatever the seed.
+    greedy_params = GenerationParams(temperature=0, max_new_tokens=12, ban_eos=True)
+    greedy = generate_text(prompt, greedy_params)[0]
+    assert generate_text(prompt, greedy_params.replace(seed=99))[0] == greedy
+    assert first != greedy  # temperature 1 on a random model does sample
+    for only_the_top in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        for seed in (5, 6):
+            assert generate_text(prompt, params.replace(seed=seed, **only_the_top))[0] == greedy, only_the_top
+    ids = token_ids(prompt, greedy_params)
+    assert len(ids) == 12
+    # a bias against the greedy first token moves the greedy answer off it
+    assert token_ids(prompt, greedy_params.replace(logit_bias={ids[0]: -100.0}))[0] != ids[0]
+    # a large positive bias makes one token certain even when sampling
+    assert token_ids(prompt, params.replace(logit_bias={ids[0]: 100.0})) == [ids[0]] * 12
+    fresh = token_ids(prompt, params.replace(no_repeat_ngram_size=1))
+    assert len(fresh) == 12 and len(set(fresh)) == 12  # no token twice
     cancel = threading.Event()
     for seen, delta in enumerate(
         generate_reply(prompt, GenerationParams(max_new_tokens=500, ban_eos=True), cancel=cancel), 1
@@ -74,7 +96,7 @@ def test_streams_seeds_samplers_and_cancel(tiny: Path) -> None:
 
 
 def test_logprobs_and_min_tokens(tiny: Path) -> None:
-    models.load_model("tiny-llama")
+    backend = models.load_model("tiny-llama")
     deltas = list(
         generate_reply(
             "Hello",
@@ -85,8 +107,14 @@ def test_logprobs_and_min_tokens(tiny: Path) -> None:
     assert len(tokens) == 5
     for token in tokens:
         assert token.logprob is not None and token.logprob <= 0 and len(token.top_logprobs or []) == 3
-    _, stats = generate_text("Hello", GenerationParams(temperature=0, max_new_tokens=40, min_tokens=30, logit_bias={}))
-    assert stats.new_tokens >= 30
+    # A bias towards EOS makes the model stop at once; min_tokens holds EOS back until 30 tokens are out.
+    eos_first = {backend.metadata.eos_token_ids[0]: 100.0}
+    _, stats = generate_text("Hello", GenerationParams(temperature=0, max_new_tokens=40, logit_bias=eos_first))
+    assert stats.finish_reason == "stop" and stats.new_tokens <= 1
+    _, stats = generate_text(
+        "Hello", GenerationParams(temperature=0, max_new_tokens=40, min_tokens=30, logit_bias=eos_first)
+    )
+    assert stats.finish_reason == "stop" and 30 <= stats.new_tokens <= 31
 
 
 def test_json_schema_regex_and_grammar_constrain_the_output(tiny: Path) -> None:

@@ -103,8 +103,15 @@ def test_top_a_tfs_epsilon_eta() -> None:
     assert kept(sampling.TopA(1.0)(IDS, p.clone())) == [0]  # cutoff 0.36
     assert kept(sampling.EpsilonCutoff(500)(IDS, p.clone())) == [0, 1, 2]  # cutoff 0.05
     assert kept(sampling.EtaCutoff(2000)(IDS, p.clone())) == [0, 1]  # min(0.2, sqrt(0.2) e^-H)
-    tail = sampling.TailFree(0.5)(IDS, probs_of(0.5, 0.2, 0.15, 0.1, 0.05))
-    assert kept(tail)[0] == 0 and len(kept(tail)) < 5
+    # Tail-free, by hand: sorted 0.4, 0.3, 0.15, 0.1, 0.05 (ids 1, 3, 4, 0, 2); first differences -0.1, -0.15,
+    # -0.05, -0.05; |second differences| 0.05, 0.1, 0 -> normalised 1/3, 2/3, 0 -> cumulative 1/3, 1, 1. The top
+    # token always stays, the next sorted token i + 1 stays while cumulative[i] <= z, the last one never does.
+    shuffled = probs_of(0.1, 0.4, 0.05, 0.3, 0.15)
+    assert kept(sampling.TailFree(0.5)(IDS, shuffled.clone())) == [1, 3]
+    assert kept(sampling.TailFree(0.2)(IDS, shuffled.clone())) == [1]
+    assert kept(sampling.TailFree(0.9)(IDS, shuffled.clone())) == [1, 3]
+    tail = sampling.TailFree(0.5)(IDS, shuffled.clone())
+    assert tail[0, [1, 3]].tolist() == shuffled[0, [1, 3]].tolist()  # what it keeps it leaves untouched
 
 
 def test_xtc_removes_all_top_choices_but_the_least_likely() -> None:
@@ -161,9 +168,16 @@ def test_chain_order_and_greedy() -> None:
 
 
 def test_seeded_sampling_reproduces() -> None:
-    scores = logits(1.0, 1.1, 0.9, 1.0)
-    a = [sampling.sample(scores, False, torch.Generator().manual_seed(7)) for _ in range(1)]
-    b = [sampling.sample(scores, False, torch.Generator().manual_seed(7)) for _ in range(1)]
-    assert a == b
+    scores = probs_of(0.6, 0.3, 0.1)
+
+    def draws(seed: int, count: int) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return [sampling.sample(scores, False, generator) for _ in range(count)]
+
+    a = draws(7, 4000)
+    assert a == draws(7, 4000)  # the same seed: the same sequence of draws
+    assert a[:50] != draws(8, 50)  # another seed: another sequence
+    frequencies = [a.count(token) / len(a) for token in range(3)]
+    assert frequencies == pytest.approx([0.6, 0.3, 0.1], abs=0.03)  # drawn from softmax(scores)
     chosen, tops = sampling.top_logprobs(probs_of(0.5, 0.3, 0.2), 1, 2)
     assert chosen == pytest.approx(math.log(0.3), rel=1e-4) and [t for t, _ in tops] == [0, 1]
