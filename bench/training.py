@@ -87,8 +87,11 @@ def ours(model_path: Path, dataset: Path, steps: int, batch: int, lr: float, ran
     """textgen's ``train`` with its defaults for batching (padding-free)."""
     from modules import shared
     from modules.settings import load_settings
+    from modules.training import datasets
     from modules.training.args import TrainingArgs
     from modules.training.run import train
+
+    datasets.ALLOW_PATHS = True  # a script, like the CLI, may name any file its user can read
 
     with tempfile.TemporaryDirectory() as loras:
         shared.init(load_settings(["--lora-dir", loras], env={}))

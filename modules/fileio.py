@@ -22,12 +22,30 @@ TEMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 STALE_AFTER_S = 60.0  # a write in progress holds its temp file for milliseconds; older ones were interrupted
 
 
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, for every thread, for a moment)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
+
+
+def _mode_for(path: Path) -> int:
+    """The mode a rewritten file keeps (its own), or a new file gets (0666 less the umask, as open() would)."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves either the old or the new file, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), _mode_for(path))  # mkstemp's 0600 would otherwise replace the file's mode
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

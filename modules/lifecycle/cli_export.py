@@ -62,7 +62,8 @@ def _export(a: argparse.Namespace) -> int:
     from modules.lifecycle.export import ExportArgs, export
 
     args = ExportArgs(a.source, a.format, a.quant, a.output, a.base, a.imatrix, a.check, a.keep_f16)
-    result = _run_job(f"export {a.source.name} {a.quant}", lambda r, c: export(args, r, c), unit="B")
+    what = a.quant if a.format in ("gguf", "gguf-lora") else a.format
+    result = _run_job(f"export {a.source.name} {what}", lambda r, c: export(args, r, c), unit="B")
     text = f"wrote {result.output}" + (f"\n{fidelity.summary(result.fidelity)}" if result.fidelity else "")
     for item in (result.fidelity or {}).get("agreement", []):
         if item["agreed"] < item["total"]:

@@ -168,15 +168,16 @@ def _safetensors(source: Path, output: Path, report: jobs.Reporter, cancel: thre
 
 
 def _onnx(source: Path, output: Path, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+    """optimum's exporter where it is installed (with a KV cache, unchecked), else torch.onnx.export checked with
+    onnxruntime (:mod:`modules.lifecycle.onnx_export`; no KV cache)."""
     try:
         from optimum.exporters.onnx import main_export
-    except ImportError as exc:
-        raise BackendUnavailable(
-            "ONNX export needs the optional packages optimum-onnx and onnxruntime, which are not installed. "
-            "optimum-onnx 0.1.0 requires transformers<4.58, older than the one textgen pins, so use a separate "
-            "environment: `python -m venv onnx-env && onnx-env/bin/pip install 'optimum-onnx[onnxruntime]'`, then "
-            f"`onnx-env/bin/optimum-cli export onnx --model {source} {output}`"
-        ) from exc
+    except ImportError:
+        from modules.lifecycle import onnx_export
+
+        result = onnx_export.export_onnx(source, output, report, cancel)
+        files = sorted(str(p) for p in output.iterdir())
+        return ExportResult(output=str(output), format="onnx", quant="F32", fidelity=result, files=files)
     with convert.staged_folder(output, cancel) as tmp:
         report(done=0, total=1, message="exporting to ONNX (optimum)")
         main_export(str(source), output=str(tmp), task="text-generation-with-past", device="cpu", local_files_only=True)

@@ -187,7 +187,11 @@ def summary(data: dict[str, Any]) -> str:
     """:meth:`FidelityReport.summary` of a report's dict."""
     fields = {k: v for k, v in data.items() if k in FidelityReport.__dataclass_fields__}
     fields["agreement"] = [PromptAgreement(**a) for a in data.get("agreement") or []]
-    return FidelityReport(**fields).summary()
+    text = FidelityReport(**fields).summary()
+    if data.get("onnx_max_abs_diff") is not None:  # an ONNX export's check (modules/lifecycle/onnx_export.py)
+        text += f", max |logit diff| vs transformers {data['onnx_max_abs_diff']:.2e}"
+        text += f", top-1 agreement {data['top1_agreement']:.1%}" + ("" if data.get("kv_cache") else " (no KV cache)")
+    return text
 
 
 def check_gguf(

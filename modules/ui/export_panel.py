@@ -128,7 +128,8 @@ def build() -> None:
                 args.source = _path(name, "a LoRA", shared.loras_dir())
         except TextgenError as exc:
             return refused(exc)
-        return _start(f"export {name} {quant_}", lambda r, c: export(args, r, c))
+        what = quant_ if fmt_ in ("gguf", "gguf-lora") else fmt_
+        return _start(f"export {name} {what}", lambda r, c: export(args, r, c))
 
     def start_merge(base_: str, lora: str, out: str) -> str:
         from modules.lifecycle.merge import MergeArgs, merge

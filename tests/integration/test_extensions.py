@@ -64,7 +64,12 @@ def asgi_get(app: Any, raw_path: bytes) -> tuple[int, dict[str, str], bytes]:
 
         await app(scope, receive, send)
 
-    anyio.run(call)
+    # In a thread of its own: Playwright's sync API (the browser tests, earlier in the session) leaves an event loop
+    # running in the main thread, where anyio.run would refuse to start.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(anyio.run, call).result(timeout=60)
     start = next(m for m in sent if m["type"] == "http.response.start")
     headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")

@@ -217,3 +217,24 @@ def test_a_chat_is_saved_once_started_and_its_removals_too(hub: object, user_dat
     conv.messages = conv.messages[:1]  # "remove last" back to the greeting: the file must follow
     assert history.save_if_started(conv, "Hello!")
     assert history.load(conv.user, "Assistant", conv.id).messages == [{"role": "assistant", "content": "Hello!"}]
+
+
+def test_atomic_writes_keep_a_files_mode_and_give_new_files_the_umask_mode(tmp_path: Path) -> None:
+    """mkstemp makes 0600 temp files; a rename must not turn the user's 0644 (or 0664) files into 0600."""
+    import os
+    import stat
+
+    from modules import fileio
+
+    old = os.umask(0o022)
+    try:
+        new = tmp_path / "new.yaml"
+        fileio.atomic_write_text(new, "a: 1\n")
+        assert stat.S_IMODE(new.stat().st_mode) == 0o644
+        shared_file = tmp_path / "shared.json"
+        shared_file.write_text("{}")
+        shared_file.chmod(0o664)
+        fileio.atomic_write_text(shared_file, '{"b": 2}')
+        assert stat.S_IMODE(shared_file.stat().st_mode) == 0o664 and shared_file.read_text() == '{"b": 2}'
+    finally:
+        os.umask(old)

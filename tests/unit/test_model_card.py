@@ -85,12 +85,12 @@ def test_push_without_a_token_is_refused_before_any_request(
 
 @pytest.fixture
 def push_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
-    from tests.fixtures.fake_hub_push import FakePushHub
+    from tests.fixtures.fake_hub import FakeHub
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    hub = FakePushHub({"hf_me": "me", "hf_other": "other"}).start()
+    hub = FakeHub(users={"hf_me": "me", "hf_other": "other"}).start()  # the download tests' Hub
     yield hub
     hub.stop()
 
@@ -107,23 +107,32 @@ def test_push_creates_private_repos_and_reuses_existing_ones(export_folder: Path
     # again, to the existing repo: a second commit, visibility unchanged when not asked
     again = push(PushArgs(export_folder, "me/secret-GGUF", token="hf_me", endpoint=push_hub.url), report,
                  threading.Event())  # fmt: skip
-    assert again["private"] is True and len(repo.commits) == 2
+    assert again["private"] is True and len(repo.pushes) == 2
     # asked public: it becomes public
     public = push(PushArgs(export_folder, "me/secret-GGUF", private=False, token="hf_me", endpoint=push_hub.url),
                   report, threading.Event())  # fmt: skip
     assert public["private"] is False and repo.private is False
+    # what was pushed downloads from the same Hub, checksums and all
+    from modules.lifecycle import hub
+
+    spec = hub.DownloadArgs("me/secret-GGUF", endpoint=push_hub.url, output=export_folder.parent / "pulled")
+    pulled = hub.download(spec)
+    assert pulled.path.read_bytes() == (export_folder / "SmolLM2-secret.Q4_K_M.gguf").read_bytes()
     # someone else's namespace: the Hub's refusal, as a clear error
     with pytest.raises(PushError, match="refused"):
         push(PushArgs(export_folder, "me/secret-GGUF", token="hf_other", endpoint=push_hub.url), report,
              threading.Event())  # fmt: skip
 
 
-def test_optional_targets_say_what_is_missing(tmp_path: Path) -> None:
+def test_optional_targets_say_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
     from modules.errors import BackendUnavailable
     from modules.lifecycle.export import ExportArgs, export
 
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(BackendUnavailable, match="optimum-onnx"):
+    monkeypatch.setitem(sys.modules, "onnx", None)  # an environment without requirements-onnx.txt
+    with pytest.raises(BackendUnavailable, match="missing: onnx"):
         export(ExportArgs(tmp_path, format="onnx"), lambda *a, **k: None, threading.Event())
     with pytest.raises(BackendUnavailable, match="Apple silicon"):
         export(ExportArgs(tmp_path, format="mlx"), lambda *a, **k: None, threading.Event())
