@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for note in loaded.notes:
         log.info("%s", note)
     shared.init(loaded)
-    fileio.remove_stale_temp_files(shared.user_data_dir())  # what interrupted atomic writes left behind
+    for folder in (shared.user_data_dir(), shared.models_dir(), shared.loras_dir()):
+        fileio.remove_stale_temp_files(folder)  # what interrupted atomic writes left behind
     extensions.load_extensions(settings.startup_extensions())
     try:
         app = create_app()

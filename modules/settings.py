@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -93,8 +93,12 @@ class Settings(BaseModel):
         description="transformers: most memory to use on each GPU, e.g. 10GiB 8GiB (offloads the rest).",
     )
     cpu_memory: str | None = Field(None, description="transformers: most CPU memory for offloaded weights, e.g. 32GiB.")
-    attn_implementation: str | None = Field(
-        None, description="transformers: attention kernel (sdpa, eager, flash_attention_2)."
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None = (
+        Field(
+            None,
+            description="transformers: attention kernel (sdpa, eager, flash_attention_2, ...). Only these built-in "
+            "names: transformers also takes Hub kernel repos here, which download and run code.",
+        )
     )
     trust_remote_code: bool = Field(
         False, description="transformers: run Python code shipped with a model (off: safer)."
@@ -212,6 +216,19 @@ class Settings(BaseModel):
         if self.listen_host:
             return self.listen_host
         return "0.0.0.0" if self.listen else "127.0.0.1"
+
+    @property
+    def exposed(self) -> bool:
+        """True when the server listens beyond this machine (--listen or a non-loopback --listen-host)."""
+        import ipaddress
+
+        host = self.host.strip("[]")
+        if host.lower() == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return True  # a host name: assume others can reach it
 
     def auth_pairs(self) -> list[tuple[str, str]]:
         """Web UI credentials from --gradio-auth and --gradio-auth-path."""

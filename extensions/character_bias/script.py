@@ -26,5 +26,7 @@ def ui() -> None:
 
     activate = gr.Checkbox(value=params["activate"], label="Activate character bias")
     text = gr.Textbox(value=params["bias_string"], label="Bias string")
-    activate.change(lambda value: params.update(activate=value), activate, None)
-    text.change(lambda value: params.update(bias_string=value), text, None)
+    from modules.ui.admin import admin_only  # the bias applies to everyone's replies: admin work
+
+    activate.change(admin_only("switch the character bias")(lambda value: params.update(activate=value)), activate)
+    text.change(admin_only("change the character bias")(lambda value: params.update(bias_string=value)), text)

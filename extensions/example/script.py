@@ -31,7 +31,9 @@ def ui() -> None:
     import gradio as gr
 
     activate = gr.Checkbox(value=params["activate"], label="Activate the example extension")
-    activate.change(lambda value: params.update(activate=value), activate, None)
+    from modules.ui.admin import admin_only  # a server-wide switch: admin work
+
+    activate.change(admin_only("switch this extension")(lambda value: params.update(activate=value)), activate)
 
 
 def custom_css() -> str:

@@ -150,7 +150,13 @@ def ui() -> None:
     from extensions.image_generation import generator
     from modules.errors import TextgenError
 
-    def run(prompt: str, model: str, width: float, height: float, steps: float, seed: float) -> list[str]:
+    def run(
+        request: gr.Request, prompt: str, model: str, width: float, height: float, steps: float, seed: float
+    ) -> list[str]:
+        from modules.ui.admin import NOT_ADMIN, is_ui_admin, username
+
+        if model and model != _in_use() and not is_ui_admin(request):  # the API's rule: switching is admin work
+            raise gr.Error(NOT_ADMIN.format(action="switch the image pipeline", user=username(request) or "a guest"))
         try:
             pictures = generator.generate(
                 prompt, _model(model or None), width=int(width), height=int(height), steps=int(steps), seed=int(seed)
@@ -158,6 +164,8 @@ def ui() -> None:
         except TextgenError as exc:
             raise gr.Error(str(exc)) from exc
         return [str(p.path) for p in pictures]
+
+    run.__annotations__["request"] = gr.Request  # resolved here: Gradio finds the request by it (gr is local)
 
     with gr.Row():
         with gr.Column():

@@ -18,4 +18,8 @@ def ui() -> None:
     import gradio as gr
 
     length = gr.Slider(0, 1000, value=params["min_length"], step=10, label="Minimum reply length (tokens)")
-    length.change(lambda value: params.update(min_length=int(value)), length, None)
+    from modules.ui.admin import admin_only  # a server-wide setting: admin work
+
+    length.change(
+        admin_only("change the minimum reply length")(lambda value: params.update(min_length=int(value))), length
+    )

@@ -97,7 +97,14 @@ def caller_id(request: Request) -> str:
 
 
 def log_startup_notes() -> None:
-    """Say once at startup when the admin endpoints are closed for lack of --admin-key."""
+    """Say once at startup when the admin endpoints are closed for lack of --admin-key, or open to the network."""
+    settings = shared.settings
+    if settings.exposed and not settings.api_key and not settings.admin_key:
+        log.warning(
+            "The API listens on %s with no --api-key: anyone on the network can generate, and load, unload and "
+            "download models. Start with --api-key KEY --admin-key ADMIN_KEY (see SECURITY.md).",
+            settings.host,
+        )
     if shared.settings.api_key and not shared.settings.admin_key:
         log.warning(
             "--api-key is set without --admin-key: the API's admin endpoints (model and LoRA load/unload, "

@@ -193,10 +193,11 @@ async def logits(req: LogitsRequest) -> dict[str, float]:
         )
     import math
 
-    from modules.generation.pipeline import encode_prompt
+    from modules.generation.pipeline import check_prompt_length, encode_prompt
 
     backend = core.current_model()
-    ids = encode_prompt(backend, req.prompt)
+    check_prompt_length(backend, req.prompt)  # before tokenizing; then off the event loop
+    ids = await anyio.to_thread.run_sync(encode_prompt, backend, req.prompt)
     pairs = await anyio.to_thread.run_sync(backend.next_token_logprobs, ids, req.top_logits)
     return {backend.decode([t]): math.exp(lp) for t, lp in pairs}
 

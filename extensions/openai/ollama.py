@@ -39,7 +39,7 @@ from extensions.openai.protocol import (
 )
 from modules import models, shared
 from modules.errors import InvalidRequest
-from modules.generation.pipeline import GenerationStats
+from modules.generation.pipeline import GenerationStats, check_prompt_length
 from modules.loaders.base import Backend
 
 log = logging.getLogger(__name__)
@@ -459,7 +459,12 @@ async def _start_raw(req: GenerateRequest, backend: Backend, owner: str) -> core
     if schema is not None:
         params = params.replace(json_schema=schema)
     core.check_constraints(params, backend)
-    prompt = fim_prompt(backend, req.prompt, req.suffix) if req.suffix else req.prompt
+    if req.suffix:
+        check_prompt_length(backend, req.prompt)  # before tokenizing: a huge prompt must not hold the event loop
+        check_prompt_length(backend, req.suffix, "suffix")
+        prompt: str | list[int] = await anyio.to_thread.run_sync(fim_prompt, backend, req.prompt, req.suffix)
+    else:
+        prompt = req.prompt
     return await core.start([prompt], [params], backend, owner=owner)
 
 

@@ -125,9 +125,11 @@ def ui() -> None:
             count = gr.Slider(1, 10, value=params["chunk_count"], step=1, label="Chunks per question")
             query = gr.Textbox(label="Try a search")
             results = gr.Markdown()
-    files.upload(upload, files, [table, status])
-    add.click(paste, [name, text], [table, status])
-    remove.click(delete, doc_id, table)
-    activate.change(lambda value: params.update(activate=value), activate, None)
-    count.change(lambda value: params.update(chunk_count=int(value)), count, None)
+    from modules.ui.admin import admin_only  # the document store and its settings are shared: admin work
+
+    files.upload(admin_only("add documents")(upload), files, [table, status])
+    add.click(admin_only("add documents")(paste), [name, text], [table, status])
+    remove.click(admin_only("delete documents")(delete), doc_id, table)
+    activate.change(admin_only("switch superbooga")(lambda value: params.update(activate=value)), activate)
+    count.change(admin_only("change superbooga")(lambda value: params.update(chunk_count=int(value))), count)
     query.submit(search, query, results)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import ipaddress
 import typing
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -176,13 +175,7 @@ def page_load(controls: list[Any]) -> Callable[[gr.Request], Any]:
 
 def is_exposed(settings: Settings) -> bool:
     """True when the server listens beyond this machine (--listen or a non-loopback --listen-host)."""
-    host = settings.host.strip("[]")
-    if host.lower() == "localhost":
-        return False
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return True  # a host name: assume others can reach it
+    return settings.exposed
 
 
 def exposure_text(settings: Settings | None = None) -> str:

@@ -121,7 +121,7 @@ def build(demo: gr.Blocks) -> CodeNotebookUI:
 
     new_btn.click(on_new, None, [state, version, name, message], queue=False)
     interrupt_btn.click(interrupt, None, status, queue=False)
-    restart_btn.click(restart, None, status, concurrency_limit=None)
+    restart_btn.click(admin_only(RUN_CODE)(restart), None, status, concurrency_limit=None)
 
     def on_open(chosen: str | None, request: gr.Request) -> tuple[Any, ...]:
         if busy := refuse_while_busy(request):

@@ -53,6 +53,10 @@ def _option_component(name: str) -> Any:
     if typing.get_origin(info.annotation) is list:  # e.g. gpu_memory: one value per GPU
         return gr.Textbox(value=" ".join(map(str, value or [])), label=name, info=info.description,
                           elem_id=f"opt-{name}")  # fmt: skip
+    literal = next((k for k in kind if typing.get_origin(k) is typing.Literal), None)
+    if literal is not None:  # a fixed set of names, e.g. attn_implementation
+        return gr.Dropdown(["", *typing.get_args(literal)], value=value or "", label=name, info=info.description,
+                           elem_id=f"opt-{name}")  # fmt: skip
     if bool in kind:
         return gr.Checkbox(value=bool(value), label=name, info=info.description, elem_id=f"opt-{name}")
     if int in kind or float in kind:

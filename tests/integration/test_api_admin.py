@@ -435,3 +435,17 @@ def test_image_generation_bounds_and_pipeline_switch(hub: object, user_data: Pat
     assert client.post(url, json={**body, "model": "no-such"}, headers=USER).status_code == 403
     assert client.post(url, json={**body, "model": "tiny-b"}, headers=ADMIN).status_code == 200
     assert client.post(url, json={**body, "model": "tiny-b"}, headers=USER).status_code == 200  # now in use
+
+
+def test_an_api_open_to_the_network_without_a_key_is_announced(
+    hub: object, user_data: Path, models_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--listen (or a non-loopback --listen-host) and no --api-key: anyone on the LAN may load models; say so."""
+    with caplog.at_level("WARNING", logger="extensions.openai.auth"):
+        _app_with(["--listen"], user_data, models_dir)
+    assert caplog.text.count("with no --api-key: anyone on the network") == 1
+    for quiet in (["--listen", "--api-key", "k", "--admin-key", "a"], ["--listen-host", "127.0.0.1"], []):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="extensions.openai.auth"):
+            _app_with(quiet, user_data, models_dir)
+        assert "anyone on the network" not in caplog.text, quiet

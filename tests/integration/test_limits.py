@@ -229,3 +229,15 @@ def test_the_length_precheck_never_refuses_a_prompt_that_fits(with_default_model
     seconds = time.perf_counter() - started
     print(f"prepare() refused a 20 MB prompt in {seconds:.3f} s")
     assert info.value.code == "context_length_exceeded" and seconds < 5
+
+
+def test_the_logits_route_refuses_a_20_mb_prompt_quickly(server: LiveServer) -> None:
+    """/v1/internal/logits tokenized on the event loop, with no precheck (13 s here, every other client waiting).
+    (Ollama's fill-in-the-middle path has the same fix, untested: the default model has no FIM tokens.)"""
+    text = "The quick brown fox jumps over the lazy dog. " * (20 * 2**20 // 45)
+    started = time.perf_counter()
+    response = httpx.post(server.url + "/v1/internal/logits", json={"prompt": text}, timeout=120)
+    seconds = time.perf_counter() - started
+    print(f"20 MB prompt to /v1/internal/logits: {response.status_code} in {seconds:.2f} s")
+    assert response.status_code == 400, response.text[:300]
+    assert "context" in response.text and seconds < 30

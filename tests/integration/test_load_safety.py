@@ -51,8 +51,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     shutil.copytree(ROOT / "user_data", user_data, ignore=shutil.ignore_patterns("logs", "settings.yaml"))
     (user_data / "extensions" / "fakeoom").mkdir(parents=True)
     (user_data / "extensions" / "fakeoom" / "script.py").write_text(OOM_EXTENSION)
-    for name, age in ((STALE, 3600), (FRESH, 0)):
-        path = user_data / name
+    stale_card = models / ".README.md.a1b2c3d4.tmp"  # an interrupted model card write (export, publish)
+    for path, age in ((user_data / STALE, 3600), (user_data / FRESH, 0), (stale_card, 3600)):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text('{"half": ')
         past = time.time() - age
@@ -87,6 +87,7 @@ def test_stale_temp_files_are_gone_after_startup(server: LiveServer) -> None:
     user_data: Path = server.user_data  # type: ignore[attr-defined]
     assert not (user_data / STALE).exists()
     assert (user_data / FRESH).exists()  # a write that may still be running is left alone
+    assert not list(Path(server.user_data).parent.joinpath("models").glob(".README.md.*.tmp"))  # models/ swept too
     assert (user_data / "presets").is_dir() and any((user_data / "presets").iterdir())
 
 

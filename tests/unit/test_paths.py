@@ -28,3 +28,17 @@ def test_follows_links_the_user_placed(tmp_path: Path) -> None:
     root.mkdir()
     (root / "link.bin").symlink_to(outside)
     assert safe_child(root, "link.bin").read_bytes() == b"x"
+
+
+def test_generated_images_are_served_by_id_only(hub: object) -> None:
+    """/v1/images/files/{name}: only ``32 hex digits + .png`` inside the images folder, whatever the name holds."""
+    import pytest
+
+    from extensions.image_generation import generator
+    from modules.errors import ModelNotFound
+
+    good = "0123456789abcdef0123456789abcdef.png"
+    assert generator.image_path(good) == generator.images_dir() / good
+    for name in ("../secret.png", "..\\secret.png", "/etc/passwd", "..", good.upper(), good + "/../../x.png", ""):
+        with pytest.raises(ModelNotFound, match="no image named"):
+            generator.image_path(name)

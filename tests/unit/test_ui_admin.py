@@ -97,3 +97,28 @@ def test_startup_warnings_about_admins(started) -> None:
     assert admin.startup_warnings(shared.settings) == []  # running code cells is admin work: nothing to warn about
     started("--gradio-auth", "alice:a,bob:b", "--gradio-admin", "alice", "bob")
     assert admin.startup_warnings(shared.settings) == []
+
+
+@pytest.mark.parametrize(("extension", "param", "value"), [("character_bias", "bias_string", "*evil*"),
+                                                          ("long_replies", "min_length", 999),
+                                                          ("example", "activate", False)])  # fmt: skip
+def test_bundled_extension_controls_are_admin_work(started, extension: str, param: str, value: object) -> None:
+    """An extension's params apply to every user's replies: a user who is not admin cannot change them."""
+    import importlib
+
+    started("--gradio-auth", "alice:a,bob:b", "--gradio-admin", "alice")
+    script = importlib.import_module(f"extensions.{extension}.script")
+    before = dict(script.params)
+    with gr.Blocks() as demo:
+        script.ui()
+    handlers = [f.fn for f in demo.fns.values() if f.fn is not None]
+    assert handlers
+    for fn in handlers:
+        with pytest.raises(gr.Error, match="Only an admin can"):
+            fn(signed_in("bob"), value)
+    assert script.params == before
+    for fn in handlers:
+        fn(signed_in("alice"), value)
+    assert script.params[param] == value
+    script.params.clear()
+    script.params.update(before)
