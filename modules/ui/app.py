@@ -64,11 +64,14 @@ def build_ui() -> gr.Blocks:
         notebook_tab.wire(notebook, params, "-notebook")
         notebook_tab.wire(default, params, "-default")
         code_notebook_tab.wire(code_notebook, params)
-        demo.load(restore, restore_inputs, restore_outputs)
-        demo.load(parameters_tab.ignored_text, None, params.ignored)
-        demo.load(params.page_load, None, params.page_load_outputs)
-        demo.load(model_page_load, None, model_page_outputs)
-        demo.load(admin.page_load(admin_controls), None, [notice, *admin_controls], queue=False, show_progress="hidden")
+        # One chain, so the page knows when it is ready: the body gets data-page-loaded="1" once the latest chat,
+        # the parameters and the Model tab are restored (a user typing before that could see their input replaced).
+        loaded = demo.load(admin.page_load(admin_controls), None, [notice, *admin_controls], show_progress="hidden")
+        loaded = loaded.then(restore, restore_inputs, restore_outputs)
+        loaded = loaded.then(parameters_tab.ignored_text, None, params.ignored)
+        loaded = loaded.then(params.page_load, None, params.page_load_outputs)
+        loaded = loaded.then(model_page_load, None, model_page_outputs)
+        loaded.then(None, js="() => { document.body.dataset.pageLoaded = '1'; }")
     return demo
 
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 def open_ui(page, url: str) -> None:
     page.goto(url, wait_until="domcontentloaded")
+    wait_page_loaded(page)
+
+
+def wait_page_loaded(page, timeout: float = 60_000) -> None:
+    """Wait until the page-load events (latest chat, parameters, Model tab) are done: the app marks the body."""
     page.wait_for_selector("#chat-input textarea")
-    page.wait_for_timeout(500)  # the page-load event restores the latest chat
+    page.wait_for_function("() => document.body.dataset.pageLoaded === '1'", timeout=timeout)
 
 
 def new_chat(page) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.helpers import new_chat, send, set_deterministic, user_messages
+from tests.browser.helpers import new_chat, send, set_deterministic, user_messages, wait_page_loaded
 
 pytestmark = pytest.mark.browser
 
@@ -19,8 +19,7 @@ def sign_in(browser, url: str, user: str, password: str):
     page.locator("input[type=text], input[name=username]").first.fill(user)
     page.locator("input[type=password]").first.fill(password)
     page.get_by_role("button", name="Login").click()
-    page.wait_for_selector("#chat-input textarea")
-    page.wait_for_timeout(800)
+    wait_page_loaded(page)
     return context, page
 
 

@@ -162,6 +162,10 @@ def test_import_a_png_card(page, shared_server, tmp_path: Path) -> None:
 
 def test_notebook_generation(page, shared_server) -> None:
     open_ui(page, shared_server.url)
+    page.get_by_role("tab", name="Parameters").click()
+    limit = page.locator("#param-max_new_tokens input[type=number]")
+    limit.fill("32")  # a few dozen tokens prove it; the default 512 can take minutes on a loaded 2-core machine
+    limit.press("Enter")
     page.get_by_role("tab", name="Notebook").click()
     box = page.locator("#notebook-text textarea")
     box.wait_for(state="visible")
