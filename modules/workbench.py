@@ -57,9 +57,9 @@ class Workbench:
                 flags += [flag, str(value)]
         shared.init(load_settings(flags, env=dict(os.environ)))
         if not (shared.models_dir() / name).exists():
-            from modules.lifecycle import hub
+            from modules.lifecycle import load_hooks
 
-            name = hub.ensure_local(name, self._reporter("download"))
+            name = load_hooks.ensure_local(name, self._reporter("download"))
         self.name = name
         self.plan = self._smart_plan(shared.models_dir() / name)
         overrides = {**(self.plan.get("options") or {}), **(options or {})}

@@ -530,7 +530,7 @@ def start_job(plan: DownloadPlan, *, exclusive: bool = False, owner: str | None 
     )
 
 
-# ---------------------------------------------------------------- download on first use
+# ---------------------------------------------------------------- what earlier downloads were saved as (first use: load_hooks)
 def _index_path() -> Path:
     return shared.models_dir() / STAGING / INDEX
 
@@ -561,50 +561,3 @@ def local_name(spec: str) -> str | None:
         if name and safe_child(root, name).exists():
             return name
     return None
-
-
-def ensure_local(name: str, report: jobs.Reporter | None = None) -> str:
-    """The local name for ``name``: itself when it is in the models folder; for ``ORG/NAME[:BRANCH]`` that is
-    not, the earlier download or a new one (a GGUF repo gives its Q4_K_M file). Used by the load path only."""
-    root = shared.models_dir()
-    try:
-        if safe_child(root, name).exists():
-            return name
-    except UnsafePath:
-        return name  # the loader reports the bad name
-    if not looks_like_repo(name):
-        return name
-    found = local_name(name)
-    if found:
-        return found
-    from huggingface_hub import constants
-
-    if constants.is_offline_mode():
-        return name  # "not in models/" as before; nothing is fetched offline
-    plan = prepare(DownloadArgs(repo=name))
-    job = start_job(plan)  # joins the job already fetching it, if a concurrent load (or the API) started one
-    mib = plan.selection.total_bytes / 2**20
-    log.info("Downloading %s: not in %s, fetching %.1f MiB from the Hub (job %s)", name, root, mib, job.id)
-    last = -1
-    while not job.wait(0.5):  # the load waits; the job's progress is readable (GET /v1/internal/model/download/ID)
-        if report:
-            report(done=job.done, total=job.total, message=job.message)
-        if job.total:
-            tenth = int(job.done * 10 // job.total)
-            if tenth != last:
-                last = tenth
-                log.info(
-                    "Downloading %s: %.1f / %.1f MiB (%d%%)", name, job.done / 2**20, job.total / 2**20, tenth * 10
-                )
-    if job.state == "failed":
-        if isinstance(job.exception, Exception):
-            raise job.exception
-        raise HubError(f"the download of {name} failed: {job.error}")
-    if job.state == "cancelled":
-        raise HubError(f"the download of {name} was cancelled; what arrived is kept: load it again to resume")
-    result = job.result
-    if result["kind"] == "lora":
-        raise InvalidRequest(
-            f"{name} is a LoRA adapter, not a model: it was saved to {result['path']}; apply it in the LoRA panel"
-        )
-    return str(result["name"])

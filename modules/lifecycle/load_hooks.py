@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from modules import shared
+from modules import jobs, shared
 from modules.lifecycle import memory
 
 log = logging.getLogger(__name__)
@@ -24,12 +24,63 @@ def first_use_download(name: str, overrides: dict[str, Any] | None = None) -> st
     """The local name to load: ``name`` itself, or the download of the Hub repo it names (never for a loader
     that serves a name rather than a file, such as ``remote``)."""
     from modules import loaders
-    from modules.lifecycle import hub
 
     asked = (overrides or {}).get("loader") or shared.settings.loader
     if asked and loaders.normalize(str(asked)) in loaders.NO_FILE:
         return name
-    return hub.ensure_local(name)
+    return ensure_local(name)
+
+
+def ensure_local(name: str, report: jobs.Reporter | None = None) -> str:
+    """The local name for ``name``: itself when it is in the models folder; for ``ORG/NAME[:BRANCH]`` that is
+    not, the earlier download or a new one (a GGUF repo gives its Q4_K_M file), run as the shared download job.
+    Used by the load path only (and the Workbench)."""
+    from modules.errors import InvalidRequest
+    from modules.lifecycle import hub
+    from modules.paths import UnsafePath, safe_child
+
+    root = shared.models_dir()
+    try:
+        if safe_child(root, name).exists():
+            return name
+    except UnsafePath:
+        return name  # the loader reports the bad name
+    if not hub.looks_like_repo(name):
+        return name
+    found = hub.local_name(name)
+    if found:
+        return found
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return name  # "not in models/" as before; nothing is fetched offline
+    plan = hub.prepare(hub.DownloadArgs(repo=name))
+    job = hub.start_job(plan)  # joins the job already fetching it, if a concurrent load (or the API) started one
+    mib = plan.selection.total_bytes / 2**20
+    log.info("Downloading %s: not in %s, fetching %.1f MiB from the Hub (job %s)", name, root, mib, job.id)
+    last = -1
+    while not job.wait(0.5):  # the load waits; the job's progress is readable (GET /v1/internal/model/download/ID)
+        if report:
+            report(done=job.done, total=job.total, message=job.message)
+        if job.total:
+            tenth = int(job.done * 10 // job.total)
+            if tenth != last:
+                last = tenth
+                log.info(
+                    "Downloading %s: %.1f / %.1f MiB (%d%%)", name, job.done / 2**20, job.total / 2**20, tenth * 10
+                )
+    if job.state == "failed":
+        if isinstance(job.exception, Exception):
+            raise job.exception
+        raise hub.HubError(f"the download of {name} failed: {job.error}")
+    if job.state == "cancelled":
+        raise hub.HubError(f"the download of {name} was cancelled; what arrived is kept: load it again to resume")
+    result = job.result
+    if result["kind"] == "lora":
+        raise InvalidRequest(
+            f"{name} is a LoRA adapter, not a model: it was saved to {result['path']}; apply it in the LoRA panel"
+        )
+    return str(result["name"])
 
 
 def _analysis(path: Path) -> Any:

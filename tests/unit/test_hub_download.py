@@ -15,7 +15,7 @@ import pytest
 
 from modules import shared
 from modules.errors import InvalidRequest
-from modules.lifecycle import hub, memory
+from modules.lifecycle import hub, load_hooks, memory
 from modules.lifecycle.hub_files import quant_of
 from modules.settings import load_settings
 from tests.conftest import DEFAULT_MODEL, ROOT, default_model_path, hf_default_model
@@ -230,7 +230,7 @@ def test_peft_adapter_lands_in_loras(lifecycle: Path) -> None:
     assert result.kind == "lora" and result.path == lifecycle / "loras" / "org_lora-a"
     assert (result.path / "adapter_config.json").is_file() and "org_lora-a" in models.list_loras()
     with pytest.raises(InvalidRequest, match="is a LoRA adapter"):
-        hub.ensure_local("org/lora-a")  # loading it as a model
+        load_hooks.ensure_local("org/lora-a")  # loading it as a model
 
 
 def test_missing_repo_branch_and_bad_names_are_told(lifecycle: Path) -> None:
@@ -253,11 +253,10 @@ def test_load_by_repo_name_downloads_on_first_use(lifecycle: Path, fake_hub: Fak
     backend = models.load_model("org/tiny-llama")  # not in models/: downloaded, then loaded
     assert shared.model_name == "org_tiny-llama" and backend.loader_name == "transformers"
     served = dict(fake_hub.served)
-    assert served and hub.ensure_local("org/tiny-llama") == "org_tiny-llama"  # second time: the local copy
+    assert served and load_hooks.ensure_local("org/tiny-llama") == "org_tiny-llama"  # second time: the local copy
     assert fake_hub.served == served
-    assert hub.ensure_local("org/tiny-GGUF") == "tiny-Q4_K_M.gguf"  # remembered by repo, though named by file
+    assert load_hooks.ensure_local("org/tiny-GGUF") == "tiny-Q4_K_M.gguf"  # remembered by repo, though named by file
     assert hub.local_name("org/tiny-GGUF") == "tiny-Q4_K_M.gguf"
-    from modules.lifecycle import load_hooks
 
     seen = len(fake_hub.requests)
     assert load_hooks.first_use_download("org/tiny-llama:dev", {"loader": "remote"}) == "org/tiny-llama:dev"
@@ -283,7 +282,7 @@ def test_concurrent_first_use_downloads_of_a_repo_share_one_job(lifecycle: Path,
     def load(label: str) -> None:  # a model load naming the repo
         gate.wait()
         try:
-            outcome[label] = hub.ensure_local("org/tiny-llama")
+            outcome[label] = load_hooks.ensure_local("org/tiny-llama")
         except Exception as exc:  # shown by the assert below
             outcome[label] = exc
 
@@ -313,7 +312,7 @@ def test_concurrent_first_use_downloads_of_a_repo_share_one_job(lifecycle: Path,
 def test_a_first_use_download_that_fails_in_its_job_tells_the_load_why(lifecycle: Path, fake_hub: FakeHub) -> None:
     fake_hub.corrupt.add(("org/tiny-llama", "model.safetensors"))
     with pytest.raises(hub.ChecksumMismatch, match="does not match its checksum"):
-        hub.ensure_local("org/tiny-llama")
+        load_hooks.ensure_local("org/tiny-llama")
     assert not (lifecycle / "models" / "org_tiny-llama").exists()
 
 
