@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import queue
 import sys
 import threading
 import weakref
@@ -77,6 +78,35 @@ def pump(events: Iterator[TokenEvent], sink: TokenSink, name: str) -> None:
             deliver([(sink, exc)])
 
     threading.Thread(target=run, name=name, daemon=True).start()
+
+
+def drain(
+    out: queue.SimpleQueue[TokenEvent | BaseException],
+    cancel: threading.Event,
+    scheduler: threading.Condition,
+    alive: Callable[[], bool] | None = None,
+    name: str = "the scheduler",
+) -> Iterator[TokenEvent]:
+    """A scheduler's events for one request, read from ``out`` until the one with a finish reason (an exception put
+    there is raised). However it ends (finished, failed, or the consumer stopped reading) the request is cancelled
+    and ``scheduler`` woken, so its slot is freed at the next step. ``alive``: checked while nothing comes."""
+    try:
+        while True:
+            try:
+                item = out.get(timeout=0.5)
+            except queue.Empty:
+                if alive is not None and not alive():
+                    raise RuntimeError(f"{name} stopped") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason:
+                return
+    finally:
+        cancel.set()
+        with scheduler:
+            scheduler.notify_all()
 
 
 def package_installed(package: str) -> bool:

@@ -31,7 +31,7 @@ from typing import Any
 from modules.errors import BackendUnavailable, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
 from modules.loaders import precheck
-from modules.loaders.base import Backend, TokenEvent, TopLogprob
+from modules.loaders.base import Backend, TokenEvent, TopLogprob, drain
 
 log = logging.getLogger(__name__)
 
@@ -241,18 +241,7 @@ class ExllamaBackend(Backend):
         return self._stream(entry)
 
     def _stream(self, entry: JobEntry) -> Iterator[TokenEvent]:
-        try:
-            while True:
-                item = entry.out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason:
-                    return
-        finally:
-            entry.cancel.set()
-            with self._cv:
-                self._cv.notify_all()
+        return drain(entry.out, entry.cancel, self._cv)
 
     def _loop(self) -> None:
         while True:

@@ -28,7 +28,7 @@ from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
 from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_lora, precheck
-from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver
+from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver, drain
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
 from modules.loaders.llama_cpp_side import SideContext
 
@@ -326,23 +326,8 @@ class LlamaCppBackend(Backend):
         return req
 
     def _stream(self, req: _Request) -> Iterator[TokenEvent]:
-        try:
-            while True:
-                try:
-                    item = req.out.get(timeout=0.5)
-                except queue.Empty:
-                    if self._thread is None or not self._thread.is_alive():
-                        raise RuntimeError("the llama.cpp scheduler stopped") from None
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason:
-                    return
-        finally:
-            req.cancel.set()
-            with self._cv:
-                self._cv.notify_all()
+        alive = lambda: self._thread is not None and self._thread.is_alive()  # noqa: E731
+        return drain(req.out, req.cancel, self._cv, alive, "the llama.cpp scheduler")
 
     def _live_busy(self) -> int:
         """Slots held by requests that are not cancelled (a cancelled one frees its slot at the next step)."""
