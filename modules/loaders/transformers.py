@@ -2,12 +2,14 @@
 LoRA with peft, vision-language models, every sampler as a logits processor, and xgrammar-constrained output.
 
 Generation is a token-by-token loop over the model with a KV cache, so every step can be cancelled, every
-sampler applied, and log probabilities reported from the distribution the token was drawn from. One generation
-runs at a time; others wait in a bounded queue.
+sampler applied, and log probabilities reported from the distribution the token was drawn from. Up to
+``--parallel`` generations run at once, batched into one forward pass per step by the scheduler in
+``transformers_batch``; others wait in a bounded queue.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import pickle
 import threading
@@ -17,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from modules import extensions
-from modules.errors import BackendUnavailable, InvalidRequest, ModelLoadError, NotSupported, QueueFull
+from modules.errors import BackendUnavailable, InvalidRequest, ModelLoadError, NotSupported
 from modules.generation import sampling
 from modules.generation.params import GenerationParams
 from modules.loaders import OPTIONS, base, precheck, prequantized
-from modules.loaders.base import Backend, ModelMetadata, QueuePlace, TokenEvent, TopLogprob
+from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink
+from modules.loaders.transformers_batch import Request, Scheduler
 from modules.loaders.transformers_support import GrammarFactory, LoraStack, load_model_objects
 
 log = logging.getLogger(__name__)
@@ -48,10 +51,9 @@ class TransformersBackend(Backend):
         self._context = 2048
         self._eos: list[int] = []
         self._device: Any = "cpu"
-        self._lock = threading.Lock()  # one generation at a time
-        self._waiting = 0  # generations queued for the lock; guarded by _count_lock
-        self._count_lock = threading.Lock()
-        self._max_queue = 64
+        self._scheduler: Scheduler | None = None
+        self._n_vocab = 0
+        self._logits_to_keep = False  # the model's forward takes logits_to_keep (prefill computes one row)
         self._grammars: GrammarFactory | None = None
         self._loras: LoraStack | None = None
         self._pieces: list[bytes] | None = None
@@ -105,7 +107,12 @@ class TransformersBackend(Backend):
         trained = getattr(text_config, "max_position_embeddings", None) or 2048
         self._context = min(int(options.get("n_ctx") or trained), int(trained))
         max_queue = options.get("max_queue")
-        self._max_queue = 64 if max_queue is None else int(max_queue)
+        self.max_parallel = max(1, int(options.get("parallel") or 1))
+        self._n_vocab = int(loaded.vocab)
+        try:
+            self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        except (TypeError, ValueError):
+            self._logits_to_keep = False
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
@@ -131,10 +138,13 @@ class TransformersBackend(Backend):
         )
         self._grammars = GrammarFactory(self.tokenizer, loaded.vocab)
         self._loras = LoraStack(self)
+        self._scheduler = Scheduler(self, self.max_parallel, 64 if max_queue is None else int(max_queue))
         return self
 
     def unload(self) -> None:
-        """Drop the model and free (GPU) memory."""
+        """Stop the scheduler (requests still running end "cancelled"), drop the model and free (GPU) memory."""
+        if self._scheduler is not None:
+            self._scheduler.stop()
         self.model = self.tokenizer = self.processor = None
         self._grammars = self._loras = None
         try:
@@ -190,62 +200,41 @@ class TransformersBackend(Backend):
         cancel: threading.Event,
         extra: dict[str, Any] | None = None,
     ) -> Iterator[TokenEvent]:
-        """Queue the generation (QueueFull beyond --max-queue waiting) and return its token stream."""
+        """Queue the generation (QueueFull when every slot is busy and --max-queue wait) and return its stream."""
+        req = self._request(prompt_ids, params, cancel, extra, None)
+        assert self._scheduler is not None
+        self._scheduler.enqueue(req)
+        return self._scheduler.stream(req)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        cancel: threading.Event,
+        sink: TokenSink,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue the generation; the scheduler hands its events to ``sink``, all of a step's at once."""
+        req = self._request(prompt_ids, params, cancel, extra, sink)
+        assert self._scheduler is not None
+        self._scheduler.enqueue(req)
+
+    def _request(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        cancel: threading.Event,
+        extra: dict[str, Any] | None,
+        sink: TokenSink | None,
+    ) -> Request:
+        """The request with its own sampler chain, seeded generator and grammar matcher (refusals raise here)."""
+        import torch
+
         self._require()
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         assert self._grammars is not None
         matcher = self._grammars.matcher(params)  # an invalid grammar is refused here, before streaming
-        with self._count_lock:
-            if self._lock.locked() and self._waiting >= self._max_queue:
-                raise QueueFull()
-            self._waiting += 1
-        place = QueuePlace(self._leave_queue)
-        return place.guard(
-            self._run(prompt_ids, params, cancel, matcher, (extra or {}).get("model_inputs") or {}, place)
-        )
-
-    def _leave_queue(self) -> None:
-        with self._count_lock:
-            self._waiting -= 1
-
-    def _run(
-        self,
-        prompt_ids: list[int],
-        params: GenerationParams,
-        cancel: threading.Event,
-        matcher: Any,
-        model_inputs: dict[str, Any],
-        place: QueuePlace,
-    ) -> Iterator[TokenEvent]:
-        import torch
-
-        acquired = False
-        try:
-            while not (acquired := self._lock.acquire(timeout=0.2)):
-                if cancel.is_set():
-                    yield TokenEvent(-1, b"", finish_reason="cancelled")
-                    return
-        finally:
-            place.release()
-        try:
-            yield from self._loop(prompt_ids, params, cancel, matcher, model_inputs, torch)
-        finally:
-            if acquired:
-                self._lock.release()
-
-    def _loop(
-        self,
-        prompt_ids: list[int],
-        params: GenerationParams,
-        cancel: threading.Event,
-        matcher: Any,
-        model_inputs: dict[str, Any],
-        torch: Any,
-    ) -> Iterator[TokenEvent]:
-        from transformers import DynamicCache
-
-        model = self._require()
         generator = torch.Generator("cpu").manual_seed(params.resolved_seed())
         processors: list[Any] = []
         for ext in extensions.implementers("logits_processor_modifier"):
@@ -259,53 +248,23 @@ class TransformersBackend(Backend):
             ]
         chain = sampling.build_chain(
             params,
-            vocab=int(self.metadata.extra["n_vocab"]),
+            vocab=self._n_vocab,
             eos_ids=self._eos,
             prompt_length=len(prompt_ids),
             breaker_ids=self._breaker_ids(params),
             generator=generator,
             extra=processors,
         )
-        history = torch.tensor([prompt_ids], dtype=torch.long)
-        cache = DynamicCache()
-        step_inputs: dict[str, Any] = {
-            "input_ids": history.to(self._device),
-            **{k: v.to(self._device) if hasattr(v, "to") else v for k, v in model_inputs.items()},
-        }
-        want_logprobs = params.logprobs or params.top_logprobs > 0
-        with torch.inference_mode():
-            for step in range(params.max_new_tokens):
-                if cancel.is_set():
-                    yield TokenEvent(-1, b"", finish_reason="cancelled")
-                    return
-                out = model(**step_inputs, past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                scores = out.logits[:, -1, :].float().cpu()
-                scores = scores[:, : int(self.metadata.extra["n_vocab"])]
-                if matcher is not None:
-                    matcher.mask(scores)
-                scores = sampling.apply(chain, history, scores)
-                token = sampling.sample(scores, params.greedy, generator)
-                logprob, tops = (
-                    sampling.top_logprobs(scores, token, params.top_logprobs) if want_logprobs else (None, [])
-                )
-                top_list = (
-                    [TopLogprob(t, self.token_piece(t, special=True), lp) for t, lp in tops] if want_logprobs else None
-                )
-                if matcher is not None:
-                    matcher.accept(token)
-                if token in self._eos or (matcher is not None and matcher.terminated()):
-                    yield TokenEvent(-1, b"", logprob=logprob, top_logprobs=top_list, finish_reason="stop")
-                    return
-                piece = self.token_piece(token, special=not params.skip_special_tokens)
-                last = step + 1 >= params.max_new_tokens
-                yield TokenEvent(
-                    token, piece, logprob=logprob, top_logprobs=top_list, finish_reason="length" if last else None
-                )
-                if last:
-                    return
-                history = torch.cat([history, torch.tensor([[token]])], dim=1)
-                step_inputs = {"input_ids": torch.tensor([[token]], device=self._device)}
+        return Request(
+            prompt=list(prompt_ids),
+            params=params,
+            cancel=cancel,
+            chain=chain,
+            generator=generator,
+            matcher=matcher,
+            model_inputs=dict((extra or {}).get("model_inputs") or {}),
+            sink=sink,
+        )
 
     def _breaker_ids(self, params: GenerationParams) -> set[int]:
         if params.dry_multiplier <= 0:
@@ -316,9 +275,21 @@ class TransformersBackend(Backend):
         return ids
 
     def stats(self) -> dict[str, Any]:
-        busy = 1 if self._lock.locked() else 0
-        with self._count_lock:
-            return {"slots": 1, "busy_slots": busy, "queue_depth": self._waiting}
+        """slots (--parallel), busy_slots, queue_depth, and the scheduler's requests and forward passes (steps)."""
+        if self._scheduler is None:
+            return {"slots": self.max_parallel, "busy_slots": 0, "queue_depth": 0}
+        return self._scheduler.snapshot()
+
+    def _forward_lock(self) -> threading.Lock:
+        if self._scheduler is None:
+            raise ModelLoadError("the model has been unloaded")
+        return self._scheduler.forward_lock
+
+    def _exclusive(self, work: Any) -> None:
+        """LoRA changes: wait for running generations to end, holding new ones back meanwhile."""
+        if self._scheduler is None:
+            raise ModelLoadError("the model has been unloaded")
+        self._scheduler.exclusive(work)
 
     # ---------------------------------------------------------------- scoring
     def _log_softmax_rows(self, prompt_ids: list[int]) -> Any:
@@ -329,9 +300,9 @@ class TransformersBackend(Backend):
             raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens; the context holds {self._context}", param="prompt"
             )
-        with self._lock, torch.inference_mode():
+        with self._forward_lock(), torch.inference_mode():
             logits = model(input_ids=torch.tensor([prompt_ids], device=self._device)).logits[0].float().cpu()
-        return torch.log_softmax(logits[:, : int(self.metadata.extra["n_vocab"])], dim=-1)
+        return torch.log_softmax(logits[:, : self._n_vocab], dim=-1)
 
     def score(self, prompt_ids: list[int], top: int = 0) -> list[tuple[float | None, list[tuple[int, float]]]]:
         import torch
@@ -359,17 +330,17 @@ class TransformersBackend(Backend):
     def load_lora(self, path: Path, scale: float = 1.0) -> None:
         """Add a PEFT adapter on top of the loaded model (several stack)."""
         assert self._loras is not None
-        with self._lock:
-            self._loras.add(path, scale)
+        loras = self._loras
+        self._exclusive(lambda: loras.add(path, scale))
 
     def unload_lora(self, path: Path | None = None) -> None:
         """Remove one adapter, or all of them."""
         assert self._loras is not None
-        with self._lock:
-            self._loras.remove(path)
+        loras = self._loras
+        self._exclusive(lambda: loras.remove(path))
 
     def set_loras(self, adapters: list[tuple[Path, float]]) -> None:
         """Replace every adapter at once, between two generations; on failure the previous set is restored."""
         assert self._loras is not None
-        with self._lock:
-            self._loras.replace(adapters)
+        loras = self._loras
+        self._exclusive(lambda: loras.replace(adapters))

@@ -142,7 +142,7 @@ def test_json_schema_regex_and_grammar_constrain_the_output(tiny: Path) -> None:
 
 
 def test_queue_full(tiny: Path) -> None:
-    backend = models.load_model("tiny-llama", {"max_queue": 0})
+    backend = models.load_model("tiny-llama", {"max_queue": 0, "parallel": 1})
     ids = backend.encode("Hello")
     running = backend.generate(ids, GenerationParams(max_new_tokens=200, ban_eos=True), cancel := threading.Event())
     next(running)
@@ -155,7 +155,7 @@ def test_queue_full(tiny: Path) -> None:
 def test_a_stream_never_started_gives_its_place_back(tiny: Path) -> None:
     import gc
 
-    backend = models.load_model("tiny-llama", {"max_queue": 1})
+    backend = models.load_model("tiny-llama", {"max_queue": 1, "parallel": 1})
     ids = backend.encode("Hello")
     running = backend.generate(ids, GenerationParams(max_new_tokens=200, ban_eos=True), cancel := threading.Event())
     next(running)  # holds the model
