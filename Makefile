@@ -7,11 +7,18 @@ STAMP  := $(VENV)/.installed
 DEV    := $(VENV)/.dev-installed
 
 # llama-cpp-python is compiled from source for this CPU (-march=native). On x86-64 llama.cpp's AMX path is left out:
-# it crashes on many Sapphire Rapids machines and VMs (docs/troubleshooting.md). Your own CMAKE_ARGS (CUDA, Metal,
-# ...) come first. The built wheel is kept per version, CMAKE_ARGS and CPU (pip's own cache would hand back a build
-# made with other flags or for another CPU); `make llama-cpp` rebuilds it.
+# it crashes on many Sapphire Rapids machines and VMs (docs/troubleshooting.md). llamafile's tinyBLAS is left out
+# too (GGML_LLAMAFILE=OFF): it multiplies batches of two or more tokens another way than one token, so a token's
+# logits would depend on what shared its step; without it batched and speculative decoding give exactly the output
+# of one request alone (docs/performance.md; the cost is slower prompt processing for Q8_0/Q4_0 models only).
+# Your own CMAKE_ARGS (CUDA, Metal, -DGGML_LLAMAFILE=ON, ...) come first. The built wheel is kept per version,
+# CMAKE_ARGS and CPU (pip's own cache would hand back a build made with other flags or for another CPU);
+# `make llama-cpp` rebuilds it.
 LLAMA_CPP_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' requirements.txt)
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+ifeq ($(findstring GGML_LLAMAFILE,$(CMAKE_ARGS)),)
+export CMAKE_ARGS := $(strip $(CMAKE_ARGS) -DGGML_LLAMAFILE=OFF)
+endif
 ifeq ($(shell uname -m),x86_64)
 ifeq ($(findstring -mno-amx-int8,$(CMAKE_ARGS)),)
 export CMAKE_ARGS := $(strip $(CMAKE_ARGS) -DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,8 @@ class StreamResult:
     first_token: float
     ended: float
     tokens: int
+    text: str = ""
+    chunk_times: list[float] = field(default_factory=list)  # when each chunk with text came
 
     @property
     def ttft(self) -> float:
@@ -98,21 +100,31 @@ class StreamResult:
 
 
 def stream_completion(url: str, body: dict[str, Any], timeout: float = 300) -> StreamResult:
-    """POST a streaming /v1/completions request and count the chunks that carry text."""
+    """POST a streaming /v1/completions request and count the tokens: the usage record's count when the server
+    sends one (a chunk may carry several tokens), else the chunks that carry text."""
     started = time.perf_counter()
     first = 0.0
     tokens = 0
+    usage = 0
+    text: list[str] = []
+    times: list[float] = []
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line[6:])
+            if data.get("usage"):
+                usage = int(data["usage"].get("completion_tokens") or 0)
             if data.get("choices") and data["choices"][0].get("text"):
                 tokens += 1
+                text.append(data["choices"][0]["text"])
+                times.append(time.perf_counter())
                 if not first:
                     first = time.perf_counter()
-    return StreamResult(started, first or time.perf_counter(), time.perf_counter(), tokens)
+    return StreamResult(
+        started, first or time.perf_counter(), time.perf_counter(), usage or tokens, "".join(text), times
+    )
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -57,7 +57,7 @@ def single_stream(rounds: int = 7) -> dict[str, Any]:
     }
 
 
-def _concurrent(url: str, clients: int) -> dict[str, float]:
+def _concurrent(url: str, clients: int, usage: bool = True) -> dict[str, float]:
     results: list[StreamResult] = []
     lock = threading.Lock()
 
@@ -68,6 +68,7 @@ def _concurrent(url: str, clients: int) -> dict[str, float]:
             "temperature": 0.8,
             "seed": i,
             "logit_bias": EOG_BIAS,
+            **({"stream_options": {"include_usage": True}} if usage else {}),
         }
         result = stream_completion(url, body)
         with lock:
@@ -82,15 +83,24 @@ def _concurrent(url: str, clients: int) -> dict[str, float]:
     start = min(r.started for r in results)
     end = max(r.ended for r in results)
     tokens = sum(r.tokens for r in results)
+    # decode phase: while every stream has had its first token and none has ended (what raw decode measures)
+    low, high = max(r.first_token for r in results), min(r.ended for r in results)
+    in_window = sum(low < t <= high for r in results for t in r.chunk_times)
     return {
         "tokens": tokens,
         "seconds": end - start,
         "tokens_per_s": tokens / (end - start),
+        "decode_phase_tokens_per_s": in_window / (high - low) if high > low else 0.0,
         "p95_ttft_s": percentile([r.ttft for r in results], 0.95),
     }
 
 
 def concurrency(clients: int = 8) -> dict[str, Any]:
+    raw_by_attention = {
+        "flash_attn_off": raw_batched_decode(clients),
+        "flash_attn_on": raw_batched_decode(clients, flash_attn=1),
+    }
+    raw = max(raw_by_attention.values())  # the faster setting is the reference
     with textgen("--threads", str(THREADS), "--parallel", str(clients)) as server:
         ours = _concurrent(server.url, clients)
     with llama_cpp_server(
@@ -103,13 +113,16 @@ def concurrency(clients: int = 8) -> dict[str, Any]:
         "--interrupt_requests",
         "False",
     ) as peer:
-        theirs = _concurrent(peer.url, clients)
+        theirs = _concurrent(peer.url, clients, usage=False)
     return {
         "clients": clients,
         "textgen": ours,
         "llama_cpp_server": theirs,
         "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
-        "target": ">= 1.5, and p95 TTFT lower than the peer's",
+        "raw_batched_decode_tokens_per_s": raw,
+        "raw_batched_decode_by_attention": raw_by_attention,
+        "ratio_vs_raw_batched": ours["decode_phase_tokens_per_s"] / raw,
+        "target": ">= 1.5x llama_cpp.server, >= 0.95x raw batched decode, p95 TTFT < 1 s",
         "ttft_lower": ours["p95_ttft_s"] < theirs["p95_ttft_s"],
     }
 
@@ -160,3 +173,231 @@ def prompt_cache() -> dict[str, Any]:
         "ratio": results["with_cache"] / results["without_cache"],
         "target": "<= 0.5",
     }
+
+
+# ---------------------------------------------------------------- speculative decoding and batched decode (#18)
+CODE_FILE = '''class Inventory:
+    """Items in a shop, with their prices and how many are in stock."""
+
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, price, count=1):
+        if name in self.items:
+            old_price, old_count = self.items[name]
+            self.items[name] = (price, old_count + count)
+        else:
+            self.items[name] = (price, count)
+
+    def remove(self, name, count=1):
+        if name not in self.items:
+            raise KeyError(f"no such item: {name}")
+        price, have = self.items[name]
+        if count > have:
+            raise ValueError(f"only {have} of {name} left")
+        if count == have:
+            del self.items[name]
+        else:
+            self.items[name] = (price, have - count)
+
+    def total_value(self):
+        return sum(price * count for price, count in self.items.values())
+
+    def cheapest(self):
+        if not self.items:
+            return None
+        return min(self.items, key=lambda name: self.items[name][0])
+
+    def report(self):
+        lines = []
+        for name, (price, count) in sorted(self.items.items()):
+            lines.append(f"{name}: {count} at {price:.2f}")
+        lines.append(f"total: {self.total_value():.2f}")
+        return "\\n".join(lines)
+
+
+def load_inventory(rows):
+    inventory = Inventory()
+    for name, price, count in rows:
+        inventory.add(name, float(price), int(count))
+    return inventory
+'''
+TEXT_FILE = (
+    "The lighthose stood at the end of a long stone pier, and evry evening the keeper climbed its one hundred and "
+    "twelve steps to light the lamp. He had done this for thirty years. The ships that passed in the night never "
+    "knew his name, but they trusted the light, and the light had never failed them. In the winter the storms came "
+    "from the north and the waves broke over the pier, and the keeper would watch from the lantern room as the "
+    "spray rose higher than the galery rail. In the summer the sea was calm and the evenings were long, and he "
+    "would sit on the gallery with a cup of tea and watch the fishing boats come home.\n\n"
+    "One morning in early spring he found a bottle on the rocks below the pier. It was green glass, sealed with "
+    "wax, and inside it was a letter folded many times. The paper was dry. He carried it up the steps to the "
+    "lantern room and opened it on the table by the window, where the light was best. The letter was written in "
+    "a careful hand, in ink that had faded to brown, and it was adressed to whoever finds this. He read it twice. "
+    "Then he put on his coat, locked the door of the lighthouse behind him, and walked into the town to find the "
+    "harbour master, who kept the old records of every ship that had ever sailed from the bay."
+)
+TEXT_PROMPT = (
+    "<|im_start|>user\nRewrite this text with the spelling mistakes corrected. Change nothing else.\n\n"
+    f"{TEXT_FILE}<|im_end|>\n<|im_start|>assistant\n"
+)
+REWRITE_PROMPT = (
+    "<|im_start|>user\nRewrite this Python code with the class `Inventory` renamed to `Stock` (everywhere). "
+    f"Change nothing else and output only the code.\n\n{CODE_FILE}<|im_end|>\n<|im_start|>assistant\n"
+)
+STORY_PROMPT = "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
+SPEC_TOKENS = 256
+
+
+def _first_difference(a: str, b: str) -> int | None:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+        None if len(a) == len(b) else min(len(a), len(b)),
+    )
+
+
+def _similarity(reply: str, given: str) -> float:
+    import difflib
+
+    return round(difflib.SequenceMatcher(None, reply[: len(given)], given).ratio(), 3)
+
+
+def speculative(rounds: int = 3) -> dict[str, Any]:
+    """1. input-grounded stream (correct the typos of a ~330-token text, greedy, 256 tokens): textgen's API with
+    speculation vs raw ``Llama.create_completion`` and vs llama-cpp-python with ``LlamaPromptLookupDecoding``,
+    same tokens out; the same for a ~400-token code file to rewrite (for the record: the default model writes other
+    code instead of copying it); 2. open-ended stream (a story): textgen with speculation on vs off. Medians of
+    alternating runs."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    common = {"n_ctx": 4096, "n_threads": THREADS, "n_threads_batch": THREADS, "n_batch": 512, "verbose": False}
+    raw = Llama(str(MODEL), **common)
+    raw_code = Llama(str(MODEL), **common)  # its own instance: one Llama caches one prompt
+    # logits_all: llama-cpp-python sizes its score buffer from the argument, not from the draft model it forces on
+    pld = Llama(str(MODEL), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), logits_all=True, **common)
+    bias = {int(k): float(v) for k, v in EOG_BIAS.items()}
+    body = {"prompt": TEXT_PROMPT, "max_tokens": SPEC_TOKENS, "temperature": 0, "logit_bias": EOG_BIAS,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    code = {**body, "prompt": REWRITE_PROMPT}
+    story = {**body, "prompt": STORY_PROMPT}
+    runs: dict[str, list[float]] = {k: [] for k in ("raw", "pld", "ours", "ours_off", "code_raw", "code_ours")}
+    runs.update(story_on=[], story_off=[])
+    texts: dict[str, str] = {}
+
+    def local(llm: Any, name: str, prompt: str = TEXT_PROMPT) -> None:
+        started = time.perf_counter()
+        out = llm.create_completion(prompt, max_tokens=SPEC_TOKENS, temperature=0, logit_bias=bias)
+        runs[name].append(out["usage"]["completion_tokens"] / (time.perf_counter() - started))
+        texts[name] = out["choices"][0]["text"]
+
+    def remote(url: str, request: dict[str, Any], name: str) -> None:
+        result = stream_completion(url, request)
+        runs[name].append(result.tokens / (result.ended - result.started))
+        texts[name] = result.text
+
+    with textgen("--threads", str(THREADS)) as on, textgen("--threads", str(THREADS), "--no-speculative") as off:
+        for llm in (raw, pld):
+            llm.create_completion(TEXT_PROMPT, max_tokens=8, temperature=0)
+        raw_code.create_completion(REWRITE_PROMPT, max_tokens=8, temperature=0)
+        stream_completion(on.url, {**code, "max_tokens": 8})
+        for url in (on.url, off.url):
+            stream_completion(url, {**body, "max_tokens": 8})
+        for _ in range(rounds):
+            for step in (
+                lambda: local(raw, "raw"),
+                lambda: local(pld, "pld"),
+                lambda: remote(on.url, body, "ours"),
+                lambda: remote(off.url, body, "ours_off"),
+                lambda: local(raw_code, "code_raw", REWRITE_PROMPT),
+                lambda: remote(on.url, code, "code_ours"),
+                lambda: remote(on.url, story, "story_on"),
+                lambda: remote(off.url, story, "story_off"),
+            ):
+                time.sleep(0.3)
+                step()
+        metrics = httpx.get(on.url + "/metrics", timeout=10).text
+    for llm in (raw, raw_code, pld):
+        llm.close()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    accepted = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("textgen_speculative_")
+    }
+    return {
+        "input_grounded": {
+            "textgen_tokens_per_s": med["ours"],
+            "textgen_speculation_off_tokens_per_s": med["ours_off"],
+            "raw_tokens_per_s": med["raw"],
+            "prompt_lookup_tokens_per_s": med["pld"],
+            "ratio_vs_raw": med["ours"] / med["raw"],
+            "ratio_vs_prompt_lookup": med["ours"] / med["pld"],
+            "target": ">= 1.5 vs raw, >= 1.2 vs LlamaPromptLookupDecoding",
+            "same_text_as_raw": texts["ours"] == texts["raw"],
+            "first_difference_vs_raw": _first_difference(texts["ours"], texts["raw"]),
+            "same_text_as_speculation_off": texts["ours"] == texts["ours_off"],
+            "raw_same_as_prompt_lookup": texts["raw"] == texts["pld"],
+            "similarity_to_the_given_text": _similarity(texts["ours"], TEXT_FILE),
+        },
+        "input_grounded_code": {
+            "textgen_tokens_per_s": med["code_ours"],
+            "raw_tokens_per_s": med["code_raw"],
+            "ratio_vs_raw": med["code_ours"] / med["code_raw"],
+            "same_text_as_raw": texts["code_ours"] == texts["code_raw"],
+            "similarity_to_the_given_file": _similarity(texts["code_ours"], CODE_FILE),
+            "target": "none (for the record: the default model does not reproduce code it is given)",
+        },
+        "open_ended": {
+            "speculation_on_tokens_per_s": med["story_on"],
+            "speculation_off_tokens_per_s": med["story_off"],
+            "ratio": med["story_on"] / med["story_off"],
+            "target": ">= 0.97",
+        },
+        "server_metrics": accepted,
+        "runs": runs,
+    }
+
+
+def raw_batched_decode(clients: int = 8, steps: int = NEW_TOKENS, flash_attn: int = 0) -> float:
+    """Tokens/s of ``llama_decode`` over ``clients`` sequences, one token each per step, after their prompts:
+    no HTTP, no sampling (the engine's own limit for this batch shape; ``flash_attn``: llama.cpp's setting)."""
+    import llama_cpp
+    from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
+
+    llama_cpp.llama_backend_init()
+    model = LlamaModel(path_model=str(MODEL), params=llama_cpp.llama_model_default_params(), verbose=False)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_seq_max, params.n_batch, params.n_ubatch = 4096 * clients, clients, 512, 512
+    params.n_threads = params.n_threads_batch = THREADS
+    params.flash_attn_type = flash_attn
+    ctx = LlamaContext(model=model, params=params, verbose=False)
+    holder = LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
+    batch = holder.batch
+    prompts = [
+        model.tokenize(f"{PROMPT} Chapter {i + 1}.".encode(), add_bos=True, special=True) for i in range(clients)
+    ]
+    n = 0
+    for seq, ids in enumerate(prompts):
+        for pos, token in enumerate(ids):
+            batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.seq_id[n][0], batch.logits[n] = (
+                token,
+                pos,
+                1,
+                seq,
+                False,
+            )
+            n += 1
+    batch.n_tokens = n
+    assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
+    started = time.perf_counter()
+    for step in range(steps):
+        for seq, ids in enumerate(prompts):
+            batch.token[seq], batch.pos[seq], batch.n_seq_id[seq] = 28, len(ids) + step, 1
+            batch.seq_id[seq][0], batch.logits[seq] = seq, True
+        batch.n_tokens = clients
+        assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
+    elapsed = time.perf_counter() - started
+    holder.close()
+    ctx.close()
+    model.close()
+    return clients * steps / elapsed

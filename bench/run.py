@@ -19,7 +19,9 @@ BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "single_stream": llama_engine.single_stream,
     "concurrency": llama_engine.concurrency,
     "prompt_cache": llama_engine.prompt_cache,
+    "speculative": llama_engine.speculative,
     "transformers": transformers_engine.pipeline_vs_generate,
+    "transformers_concurrency": transformers_engine.concurrency,
     "ui_latency": ui_bench.run,
     "load": load.run,
 }
@@ -49,12 +51,68 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 f"{r['ratio']:.2f}",
                 ">= 1.5",
             ),
+            *(
+                [
+                    (
+                        f"{r['clients']} streams: decode-phase tokens/s vs raw batched decode",
+                        f"{ours['decode_phase_tokens_per_s']:.1f}",
+                        f"{r['raw_batched_decode_tokens_per_s']:.1f} (llama_decode loop, no HTTP)",
+                        f"{r['ratio_vs_raw_batched']:.2f}",
+                        ">= 0.95",
+                    )
+                ]
+                if "raw_batched_decode_tokens_per_s" in r
+                else []
+            ),
             (
                 f"{r['clients']} streams: p95 time to first token",
                 f"{ours['p95_ttft_s']:.2f} s",
                 f"{peer['p95_ttft_s']:.2f} s (llama_cpp.server)",
                 f"{ours['p95_ttft_s'] / peer['p95_ttft_s']:.2f}",
                 "< 1",
+            ),
+        ]
+    if name == "speculative":
+        grounded, story = r["input_grounded"], r["open_ended"]
+        same = (
+            "same text"
+            if grounded["same_text_as_raw"]
+            else f"text differs at char {grounded['first_difference_vs_raw']}"
+        )
+        return [
+            (
+                "rewrite a given text, 256 tokens: tokens/s",
+                f"{grounded['textgen_tokens_per_s']:.1f} (speculative)",
+                f"{grounded['raw_tokens_per_s']:.1f} (Llama.create_completion; {same})",
+                f"{grounded['ratio_vs_raw']:.2f}",
+                ">= 1.5",
+            ),
+            (
+                "rewrite a given text, 256 tokens: tokens/s",
+                f"{grounded['textgen_tokens_per_s']:.1f} (speculative)",
+                f"{grounded['prompt_lookup_tokens_per_s']:.1f} (LlamaPromptLookupDecoding)",
+                f"{grounded['ratio_vs_prompt_lookup']:.2f}",
+                ">= 1.2",
+            ),
+            *(
+                [
+                    (
+                        "rewrite a given code file, 256 tokens: tokens/s",
+                        f"{r['input_grounded_code']['textgen_tokens_per_s']:.1f} (speculative)",
+                        f"{r['input_grounded_code']['raw_tokens_per_s']:.1f} (Llama.create_completion)",
+                        f"{r['input_grounded_code']['ratio_vs_raw']:.2f}",
+                        "none (the model does not copy the code)",
+                    )
+                ]
+                if "input_grounded_code" in r
+                else []
+            ),
+            (
+                "story, 256 tokens: tokens/s",
+                f"{story['speculation_on_tokens_per_s']:.1f} (speculative)",
+                f"{story['speculation_off_tokens_per_s']:.1f} (--no-speculative)",
+                f"{story['ratio']:.3f}",
+                ">= 0.97",
             ),
         ]
     if name == "prompt_cache":
@@ -98,6 +156,16 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 f"{r['textgen_tokens_per_s']:.1f}",
                 f"{r['raw_generate_tokens_per_s']:.1f} (model.generate)",
                 f"{r['ratio']:.3f}",
+                r["target"],
+            )
+        ]
+    if name == "transformers_concurrency":
+        return [
+            (
+                f"transformers, {r['clients']} streams: aggregate tokens/s",
+                f"{r['aggregate_tokens_per_s']:.1f} (p95 TTFT {r['p95_ttft_s']:.2f} s)",
+                f"{r['one_stream_tokens_per_s']:.1f} (1 stream)",
+                f"{r['ratio']:.2f}",
                 r["target"],
             )
         ]

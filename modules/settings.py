@@ -70,6 +70,24 @@ class Settings(BaseModel):
     prompt_cache: bool = Field(
         True, description="Reuse a slot's KV cache for the longest common prompt prefix (--no-prompt-cache: off)."
     )
+    flash_attn: bool | None = Field(
+        None,
+        description="llama.cpp: flash attention (--no-flash-attn: off). Default: on when layers run on a GPU, off on "
+        "the CPU, where llama.cpp's flash attention is slower (2x per step at 900 tokens of context here).",
+    )
+    speculative: bool = Field(
+        True,
+        description="llama.cpp: speculative decoding. Each step also checks a guess of the next tokens (what followed "
+        "the same words earlier in the prompt or reply, or --draft-model's guess) and keeps the ones the model "
+        "confirms: the output is unchanged, copies and edits of given text come faster. Drafts shrink or stop when "
+        "they do not pay (--no-speculative: off).",
+    )
+    draft_model: Path | None = Field(
+        None,
+        description="llama.cpp: a small GGUF of the same model family (same vocabulary) that drafts the tokens "
+        "speculative decoding checks, instead of prompt lookup.",
+    )
+    draft_max: int = Field(16, ge=1, le=64, description="llama.cpp: most draft tokens per sequence and step.")
     amx: bool = Field(
         False,
         description="llama.cpp: use the engine's AMX matrix path where the build has one (Intel Sapphire Rapids and "

@@ -24,6 +24,7 @@ RENAMED = {
     "--sdpa": "--attn-implementation=sdpa",
     "--bf16": "--dtype=bfloat16",
     "--gpu_split": "--gpu-split",
+    "--no_flash_attn": "--no-flash-attn",
 }
 # switches that need no counterpart, and why
 SWITCHES = {
@@ -37,8 +38,6 @@ SWITCHES = {
     "--mlock": "not supported; the weights stay wherever the OS keeps them",
     "--no-cache": "the KV cache is always on",
     "--streaming-llm": "not supported; long chats drop their oldest turns",
-    "--no_flash_attn": "not needed: flash attention is opt-in here (--attn-implementation)",
-    "--flash-attn": "llama.cpp picks its attention kernel; for transformers use --attn-implementation",
     "--xformers": "use --attn-implementation sdpa",
     "--api-enable-ipv6": "use --listen-host ::",
     "--chat-buttons": "the chat always has its buttons",

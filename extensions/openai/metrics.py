@@ -92,6 +92,26 @@ class Metrics:
             "Prompt tokens reused from a slot's cache.",
             [("", backend_stats.get("cache_hit_tokens", 0))],
         )
+        if "draft_tokens" in backend_stats:
+            drafted, accepted = backend_stats["draft_tokens"], backend_stats.get("accepted_tokens", 0)
+            metric(
+                "speculative_draft_tokens_total",
+                "counter",
+                "Draft tokens speculative decoding checked.",
+                [("", drafted)],
+            )
+            metric(
+                "speculative_accepted_tokens_total",
+                "counter",
+                "Draft tokens the model confirmed (each one a step saved).",
+                [("", accepted)],
+            )
+            metric(
+                "speculative_acceptance_ratio",
+                "gauge",
+                "Confirmed draft tokens / drafted, since the model loaded.",
+                [("", round(accepted / drafted, 4) if drafted else 0)],
+            )
         metric(
             "model_loaded", "gauge", "1 when a model is loaded.", [(f'{{model="{model or ""}"}}', 1 if model else 0)]
         )

@@ -33,12 +33,15 @@ class GenerationStats:
     finish_reason: str = "stop"  # "stop" (EOS or a stop string), "length", "cancelled", "context"
     stop_string: str | None = None
     seed: int = -1
+    draft_tokens: int = 0  # speculative decoding: tokens drafted for this reply, and how many the model confirmed
+    accepted_tokens: int = 0
 
     def summary(self) -> str:
         """One line for the log and the UI."""
+        drafts = f", drafts {self.accepted_tokens}/{self.draft_tokens} accepted" if self.draft_tokens else ""
         return (
             f"{self.new_tokens} tokens in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tokens/s, "
-            f"first token {self.time_to_first_token * 1000:.0f} ms, prompt {self.prompt_tokens} tokens, "
+            f"first token {self.time_to_first_token * 1000:.0f} ms, prompt {self.prompt_tokens} tokens{drafts}, "
             f"seed {self.seed}, finish: {self.finish_reason})"
         )
 
@@ -317,6 +320,8 @@ class DeltaBuilder:
                 done = [t for t, _, end in self.pending if end <= self.released]
                 self.pending = [p for p in self.pending if p[2] > self.released]
                 out.append(Delta(shown, done))
+        if event.speculation:
+            self.stats.draft_tokens, self.stats.accepted_tokens = event.speculation
         if event.finish_reason:
             out.append(self.finish(event.finish_reason))
         return out

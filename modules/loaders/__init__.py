@@ -37,6 +37,10 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "parallel",
         "max_queue",
         "prompt_cache",
+        "flash_attn",
+        "speculative",
+        "draft_model",
+        "draft_max",
         "amx",
     ),
     "transformers": (
@@ -52,6 +56,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "cpu_memory",
         "attn_implementation",
         "trust_remote_code",
+        "parallel",
         "max_queue",
     ),
     "exllamav2": EXLLAMA_OPTIONS,

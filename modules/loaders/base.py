@@ -43,6 +43,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[TopLogprob] | None = None
     finish_reason: str | None = None  # set on the last event: "stop" (EOS), "length", "cancelled", "context"
+    speculation: tuple[int, int] | None = None  # on the last event: (draft tokens, confirmed), when drafting ran
 
 
 @dataclass(eq=False)

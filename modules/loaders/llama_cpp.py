@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-import os
 import queue
 import threading
 import time
@@ -30,7 +29,8 @@ from modules.generation.params import GenerationParams
 from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_lora, precheck
 from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver, drain
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
-from modules.loaders.llama_cpp_side import SideContext
+from modules.loaders.llama_cpp_side import SideContext, SideOps, default_threads
+from modules.loaders.llama_cpp_spec import DraftModel, NgramIndex, SpecState, Speculator, StepCost, Work
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +48,6 @@ def _init_backend(verbose: bool) -> None:
             _backend_ready = True
 
 
-def default_threads() -> int:
-    """Physical cores (llama.cpp gains nothing from hyper-threads)."""
-    try:
-        import psutil
-
-        return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
-    except ImportError:
-        return max(1, os.cpu_count() or 1)
-
-
 @dataclass
 class _Request:
     prompt: list[int]
@@ -69,8 +59,9 @@ class _Request:
     n_fed: int = 0  # prompt tokens now in the KV cache
     generated: int = 0
     next_token: int | None = None  # sampled, to be fed at the next step
-    batch_index: int = -1  # where this request's logits are in the current batch
+    batch_index: int = -1  # where this request's logits are in the current batch (then its draft's rows)
     done: bool = False
+    spec: SpecState | None = None  # speculative decoding state, when it is on
 
 
 @dataclass
@@ -90,7 +81,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-class LlamaCppBackend(Backend):
+def _best_slot(free: list[_Slot], prompt: list[int]) -> _Slot:
+    """The free slot whose cache serves the prompt best: tokens reused, less half of the cached tokens thrown away
+    (then the least recently used), so a prompt that shares only a system prompt or a template's first tokens
+    takes an empty slot instead of evicting a long cached conversation."""
+
+    def value(slot: _Slot) -> tuple[float, float]:
+        reused = _common_prefix(slot.tokens, prompt)
+        return reused - (len(slot.tokens) - reused) / 2, -slot.last_used
+
+    return max(free, key=value)
+
+
+class LlamaCppBackend(SideOps, Backend):
     """GGUF models through llama-cpp-python's low-level API."""
 
     loader_name = "llama.cpp"
@@ -126,6 +129,8 @@ class LlamaCppBackend(Backend):
         self._tasks: list[llama_cpp_lora.Task] = []  # work the scheduler thread runs between steps (LoRA changes)
         self._outbox: list[tuple[TokenSink, TokenEvent | BaseException]] = []  # sink events of this step
         self.extra_buffers = True  # llama.cpp's use_extra_bufts for this model (off: no AMX, no repacking)
+        self._spec: Speculator | None = None
+        self._flash_attn = -1  # llama.cpp's flash_attn_type for this model's contexts
         self._stats = {"requests": 0, "prompt_tokens": 0, "cache_hit_tokens": 0, "cache_hits": 0, "steps": 0}
 
     # ---------------------------------------------------------------- loading
@@ -134,6 +139,11 @@ class LlamaCppBackend(Backend):
         """A .gguf file whose header reads and whose size covers the tensor data it declares (every shard)."""
         super().check(path, options)
         precheck.gguf_file(path)
+        if options.get("draft_model") and options.get("speculative", True) is not False:
+            try:
+                precheck.gguf_file(Path(options["draft_model"]))
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"the draft model cannot be used: {exc}") from exc
 
     @classmethod
     def load(cls, path: Path, options: dict[str, Any]) -> LlamaCppBackend:
@@ -169,6 +179,10 @@ class LlamaCppBackend(Backend):
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = int(options.get("threads_batch") or threads)
         ctx_params.no_perf = True
+        flash = options.get("flash_attn")
+        if flash is None:  # llama.cpp's own choice on a GPU; on the CPU its flash attention is the slower path
+            flash = None if model_params.n_gpu_layers > 0 else False
+        ctx_params.flash_attn_type = self._flash_attn = -1 if flash is None else int(bool(flash))
         try:
             self._ctx = LlamaContext(model=self._model, params=ctx_params, verbose=bool(options.get("verbose")))
         except ValueError as exc:
@@ -186,11 +200,36 @@ class LlamaCppBackend(Backend):
         self._prompt_cache = options.get("prompt_cache", True) is not False
         self._slots = [_Slot(seq_id=i) for i in range(parallel)]
         self.max_parallel = parallel
+        if options.get("speculative", True) is not False:
+            self._start_speculation(options, parallel, threads, ctx_params.flash_attn_type, model_params)
         self.metadata = self._read_metadata(path)
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="llama.cpp-scheduler", daemon=True)
         self._thread.start()
         return self
+
+    def _start_speculation(
+        self, options: dict[str, Any], parallel: int, threads: int, flash_attn: int, model_params: Any
+    ) -> None:
+        assert self._model is not None and self._ctx is not None
+        model = self._model.model
+        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+            log.info("Speculative decoding off: a recurrent or hybrid model's state cannot drop rejected drafts")
+            return
+        draft = None
+        if options.get("draft_model"):
+            try:
+                draft = DraftModel(
+                    Path(options["draft_model"]), self._model, self._n_ctx, parallel, threads, flash_attn, model_params
+                )
+            except ModelLoadError:
+                self.unload()
+                raise
+        self._spec = Speculator(StepCost(), int(options.get("draft_max") or 16), draft)
+        log.info(
+            "Speculative decoding on (%s)",
+            f"draft model {Path(options['draft_model']).name}" if draft else "prompt lookup",
+        )
 
     def _read_metadata(self, path: Path) -> ModelMetadata:
         assert self._model is not None
@@ -238,6 +277,8 @@ class LlamaCppBackend(Backend):
         for side in self._sides.values():
             side.close()
         self._sides.clear()
+        if self._spec is not None:
+            self._spec.close()
         for obj in (self._batch, self._ctx):
             if obj is not None:
                 obj.close()
@@ -340,7 +381,14 @@ class LlamaCppBackend(Backend):
     def stats(self) -> dict[str, Any]:
         with self._cv:
             busy = sum(1 for s in self._slots if s.request is not None)
-            return {**self._stats, "slots": len(self._slots), "busy_slots": busy, "queue_depth": self._live_waiting()}
+            spec = {"draft_tokens": self._spec.drafted, "accepted_tokens": self._spec.accepted} if self._spec else {}
+            return {
+                **self._stats,
+                **spec,
+                "slots": len(self._slots),
+                "busy_slots": busy,
+                "queue_depth": self._live_waiting(),
+            }
 
     # ---------------------------------------------------------------- scheduler
     def _send(self, req: _Request, item: TokenEvent | BaseException) -> None:
@@ -365,10 +413,12 @@ class LlamaCppBackend(Backend):
             return
         req.done = True
         req.sampler.close()
+        if req.spec is not None:
+            extra["speculation"] = (req.spec.drafted, req.spec.accepted)
         self._send(req, TokenEvent(token_id=token, piece=piece, finish_reason=reason, **extra))
 
     def _admit(self) -> None:
-        """Move waiting requests into free slots, preferring the slot with the longest cached prefix."""
+        """Move waiting requests into free slots (the one whose cache serves the prompt best, see _best_slot)."""
         self._drop_cancelled_waiters()
         while self._waiting:
             req = self._waiting[0]
@@ -376,7 +426,7 @@ class LlamaCppBackend(Backend):
             if not free:
                 return
             self._waiting.popleft()
-            best = max(free, key=lambda s: (_common_prefix(s.tokens, req.prompt), -s.last_used))
+            best = _best_slot(free, req.prompt)
             reuse = min(_common_prefix(best.tokens, req.prompt), len(req.prompt) - 1) if self._prompt_cache else 0
             assert self._ctx is not None
             if reuse < len(best.tokens):
@@ -386,6 +436,8 @@ class LlamaCppBackend(Backend):
                 del best.tokens[reuse:]
             req.n_fed = reuse
             best.request = req
+            if self._spec is not None:
+                req.spec = SpecState(index=None if self._spec.draft_model else NgramIndex(req.prompt))
             self._stats["requests"] += 1
             self._stats["prompt_tokens"] += len(req.prompt)
             if reuse:
@@ -449,15 +501,23 @@ class LlamaCppBackend(Backend):
                 self._finish(req, "cancelled", slot)
                 continue
             req.batch_index = -1
-            if req.next_token is not None:  # decoding: one token per sequence
-                batch.token[n], batch.pos[n], batch.n_seq_id[n] = req.next_token, len(slot.tokens), 1
+        decoding = [s for s in self._slots if s.request is not None and s.request.next_token is not None]
+        if self._spec is not None and decoding:
+            self._plan_drafts(decoding)
+        for slot in decoding:  # decoding: the sampled token, and the draft after it when there is one
+            req = slot.request
+            assert req is not None and req.next_token is not None
+            req.batch_index = n
+            for token in [req.next_token, *(req.spec.draft if req.spec is not None else ())]:
+                batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, len(slot.tokens), 1
                 batch.seq_id[n][0], batch.logits[n] = slot.seq_id, True
-                slot.tokens.append(req.next_token)
-                req.next_token, req.batch_index = None, n
+                slot.tokens.append(token)
                 n += 1
-                active.append(slot)
+            req.next_token = None
+            active.append(slot)
         # Prefill in chunks with what is left of the batch; while other streams decode, a smaller chunk per step
         # keeps their tokens flowing (a long prompt never freezes them for more than a short step).
+        decoded = n
         budget = self._n_batch if n == 0 else min(self._n_batch, PREFILL_CHUNK_WHILE_DECODING + n)
         for slot in self._slots:
             req = slot.request
@@ -480,8 +540,11 @@ class LlamaCppBackend(Backend):
         if n == 0:
             return
         batch.n_tokens = n
+        started = time.perf_counter()
         with self._decode_lock:
             code = llama_cpp.llama_decode(self._ctx.ctx, batch)
+        if self._spec is not None and code == 0 and n == decoded:  # a step that fed no prompt
+            self._spec.cost.observe(n, time.perf_counter() - started)
         self._stats["steps"] += 1
         if code != 0:
             raise RuntimeError(f"llama_decode returned {code}")
@@ -491,102 +554,68 @@ class LlamaCppBackend(Backend):
                 continue
             self._emit(slot, req)
 
+    def _plan_drafts(self, decoding: list[_Slot]) -> None:
+        assert self._spec is not None
+        work = []
+        for slot in decoding:
+            req = slot.request
+            assert req is not None and req.spec is not None and req.next_token is not None
+            limit = min(req.params.max_new_tokens - req.generated - 1, self._n_ctx - len(slot.tokens) - 2)
+            tokens = [*slot.tokens, req.next_token] if self._spec.draft_model is not None else []
+            work.append(Work(slot.seq_id, req.spec, tokens, limit))
+        waiting = any(s.request is not None and s.request.n_fed < len(s.request.prompt) for s in self._slots)
+        room = self._n_batch - len(decoding) - (PREFILL_CHUNK_WHILE_DECODING if waiting else 0)  # prompts go on
+        self._spec.plan(work, room)
+
     def _emit(self, slot: _Slot, req: _Request) -> None:
+        """Sample the request's rows of this step in turn: the pending token's, then one per draft token while
+        the sample confirms the draft. The KV cache keeps what was confirmed; the rest of the draft is removed."""
         assert self._ctx is not None
-        token, logprob, alternatives = req.sampler.sample(self._ctx.ctx, req.batch_index, req.generated)
+        spec = req.spec
+        draft = spec.draft if spec is not None else []
+        held = len(slot.tokens) - len(draft)  # the KV cache's tokens up to the one fed this step
+        first, j = -1, 0
+        for j in range(len(draft) + 1):
+            token, logprob, alternatives = req.sampler.sample(self._ctx.ctx, req.batch_index + j, req.generated)
+            if j == 0:
+                first = token
+            confirmed = j < len(draft) and token == draft[j]
+            if self._take(slot, req, token, logprob, alternatives, held + j) or not confirmed:
+                break
+            assert self._spec is not None and spec is not None
+            self._spec.confirmed(spec)
+        if len(slot.tokens) > held + j:
+            self._ctx.kv_cache_seq_rm(slot.seq_id, held + j, -1)
+            del slot.tokens[held + j :]
+        if spec is not None:
+            spec.record(first, j)
+
+    def _take(
+        self,
+        slot: _Slot,
+        req: _Request,
+        token: int,
+        logprob: float | None,
+        alternatives: list[tuple[int, float]] | None,
+        held: int,
+    ) -> bool:
+        """Send one sampled token (``held``: tokens the sequence's cache holds before it); True when it ends the
+        request."""
         tops = top_logprobs(alternatives, lambda t: self.token_piece(t, special=True))
         if token in self._eog_set:
             self._finish(req, "stop", slot, logprob=logprob, top_logprobs=tops)
-            return
+            return True
         req.generated += 1
+        if req.spec is not None and req.spec.index is not None:
+            req.spec.index.append(token)
         piece = self.token_piece(token, special=not req.params.skip_special_tokens)
         # stop when prompt + reply fill the context (as OpenAI counts); the pipeline caps max_new_tokens to the
         # same room, so "context" only shows when a caller asks the backend itself for more than fits
-        full = len(slot.tokens) + 1 >= self._n_ctx
+        full = held + 1 >= self._n_ctx
         if req.generated >= req.params.max_new_tokens or full:
             reason = "length" if req.generated >= req.params.max_new_tokens else "context"
             self._finish(req, reason, slot, token=token, piece=piece, logprob=logprob, top_logprobs=tops)
-            return
+            return True
         self._send(req, TokenEvent(token_id=token, piece=piece, logprob=logprob, top_logprobs=tops))
         req.next_token = token
-
-    # ---------------------------------------------------------------- embeddings and LoRA
-    def embed(self, texts: list[str]) -> list[list[float]]:
-        """Mean-pooled, L2-normalised embeddings from a second context in embeddings mode."""
-        token_lists = [self.encode(t) for t in texts]
-        for i, tokens in enumerate(token_lists):
-            if not tokens:
-                raise InvalidRequest(f"input[{i}] is empty; cannot embed an empty string", param="input")
-            if len(tokens) > self._n_ctx:
-                raise InvalidRequest(
-                    f"input[{i}] has {len(tokens)} tokens; this model embeds at most {self._n_ctx} "
-                    "(its context). Shorten or split the input.",
-                    param="input",
-                    code="context_length_exceeded",
-                )
-        return self._side(embeddings=True).embed(token_lists)
-
-    def _side(self, embeddings: bool) -> SideContext:
-        model = self._require_model()
-        with self._cv:
-            key = "embed" if embeddings else "score"
-            if key not in self._sides:
-                threads = int(self._options.get("threads") or default_threads())
-                side = SideContext(model, self._n_ctx, self._n_batch, threads, embeddings)
-                side.set_adapters(list(self._loras.values()))
-                self._sides[key] = side
-            return self._sides[key]
-
-    def fim_tokens(self) -> tuple[int, int, int] | None:
-        vocab = self._require_model().vocab
-        ids = (
-            llama_cpp.llama_vocab_fim_pre(vocab),
-            llama_cpp.llama_vocab_fim_suf(vocab),
-            llama_cpp.llama_vocab_fim_mid(vocab),
-        )
-        return None if any(t < 0 for t in ids) else ids
-
-    def _log_softmax_rows(self, prompt_ids: list[int], rows: set[int]) -> dict[int, np.ndarray]:
-        if len(prompt_ids) > self._n_ctx:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens; the context holds {self._n_ctx}", param="prompt"
-            )
-        return self._side(embeddings=False).log_softmax_rows(prompt_ids, rows, self._n_vocab)
-
-    def score(self, prompt_ids: list[int], top: int = 0) -> list[tuple[float | None, list[tuple[int, float]]]]:
-        rows = self._log_softmax_rows(prompt_ids, set(range(len(prompt_ids) - 1)))
-        result: list[tuple[float | None, list[tuple[int, float]]]] = [(None, [])]
-        for pos in range(len(prompt_ids) - 1):
-            row = rows[pos]
-            alternatives = [(int(t), float(row[t])) for t in np.argsort(-row)[:top]] if top else []
-            result.append((float(row[prompt_ids[pos + 1]]), alternatives))
-        return result
-
-    def next_token_logprobs(self, prompt_ids: list[int], top: int) -> list[tuple[int, float]]:
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        last = len(prompt_ids) - 1
-        row = self._log_softmax_rows(prompt_ids, {last})[last]
-        return [(int(t), float(row[t])) for t in np.argsort(-row)[:top]]
-
-    def set_loras(self, adapters: list[tuple[Path, float]]) -> None:
-        """Replace every adapter with these at once; refused while generations run, and then nothing changes."""
-        llama_cpp_lora.set_adapters(self, adapters)
-
-    def load_lora(self, path: Path, scale: float = 1.0) -> None:
-        """Apply a GGUF LoRA adapter on top of the ones applied (refused while generations run)."""
-        path = llama_cpp_lora.adapter_file(path, scale)
-        kept = [(Path(k), s) for k, (_, s) in self._loras.items() if Path(k) != path]
-        self.set_loras([*kept, (path, scale)])
-
-    def unload_lora(self, path: Path | None = None) -> None:
-        """Remove one adapter (or all); refused while generations run."""
-        if self._ctx is None:
-            return
-        kept = [
-            (Path(k), s)
-            for k, (_, s) in self._loras.items()
-            if path is not None and path not in (Path(k), Path(k).parent)
-        ]
-        if len(kept) != len(self._loras):
-            self.set_loras(kept)
+        return False

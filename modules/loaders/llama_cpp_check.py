@@ -77,6 +77,16 @@ def build_has_amx(features: dict[str, str] | None = None) -> bool:
     return features.get("AMX_INT8") == "1"
 
 
+def batch_invariant(features: dict[str, str] | None = None) -> bool:
+    """Whether a token's logits are the same however many tokens share its step: true for builds without
+    llamafile's tinyBLAS (the Makefile's), which multiplies batches of two or more tokens another way than one.
+
+    With it, batched and speculative decoding still sample exactly by the model's logits, but those logits differ
+    from a lone one-token step's in the last bits, so greedy output may part from plain decoding at a near-tie."""
+    features = build_features() if features is None else features
+    return features.get("LLAMAFILE") != "1"
+
+
 def extra_buffers_allowed(amx: bool, features: dict[str, str] | None = None) -> bool:
     """``use_extra_bufts`` for a model load: off where the build has AMX and ``--amx`` was not given.
 

@@ -1,23 +1,42 @@
-"""One-sequence llama.cpp contexts beside the scheduler's: mean-pooled embeddings and prompt scoring."""
+"""One-sequence llama.cpp contexts beside the scheduler's (mean-pooled embeddings and prompt scoring), and the
+backend's methods that use them or change its LoRA adapters."""
 
 from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
 from modules.errors import InvalidRequest
+from modules.loaders import llama_cpp_lora
+
+if TYPE_CHECKING:
+    from modules.loaders.llama_cpp import LlamaCppBackend
+
+
+def default_threads() -> int:
+    """Physical cores (llama.cpp gains nothing from hyper-threads)."""
+    try:
+        import psutil
+
+        return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+    except ImportError:
+        return max(1, os.cpu_count() or 1)
 
 
 class SideContext:
     """A lazily created context with its own lock; LoRA adapters follow the main context's."""
 
-    def __init__(self, model: LlamaModel, n_ctx: int, n_batch: int, threads: int, embeddings: bool) -> None:
+    def __init__(
+        self, model: LlamaModel, n_ctx: int, n_batch: int, threads: int, embeddings: bool, flash_attn: int = -1
+    ) -> None:
         self.model, self.n_ctx, self.n_batch, self.threads, self.embeddings = (
             model,
             n_ctx,
@@ -25,6 +44,7 @@ class SideContext:
             threads,
             embeddings,
         )
+        self.flash_attn = flash_attn  # as the main context's, so scores match what generation samples from
         self.lock = threading.Lock()
         self._ctx: LlamaContext | None = None
         self._adapters: list[tuple[Any, float]] = []
@@ -37,6 +57,7 @@ class SideContext:
             params.n_batch = params.n_ubatch = self.n_ctx if self.embeddings else self.n_batch
             params.n_threads = params.n_threads_batch = self.threads
             params.no_perf = True
+            params.flash_attn_type = self.flash_attn
             if self.embeddings:
                 params.embeddings = True
                 params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
@@ -115,3 +136,103 @@ class SideContext:
             finally:
                 holder.close()
         return out
+
+
+class SideOps:
+    """The llama.cpp backend's embeddings, scoring and LoRA methods (mixed into LlamaCppBackend)."""
+
+    _n_ctx: int
+    _n_batch: int
+    _n_vocab: int
+    _flash_attn: int
+    _ctx: Any
+    _cv: threading.Condition
+    _options: dict[str, Any]
+    _sides: dict[str, SideContext]
+    _loras: dict[str, tuple[Any, float]]
+
+    if TYPE_CHECKING:
+
+        def encode(self, text: str, add_special: bool = True) -> list[int]: ...
+
+        def _require_model(self) -> LlamaModel: ...
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """Mean-pooled, L2-normalised embeddings from a second context in embeddings mode."""
+        token_lists = [self.encode(t) for t in texts]
+        for i, tokens in enumerate(token_lists):
+            if not tokens:
+                raise InvalidRequest(f"input[{i}] is empty; cannot embed an empty string", param="input")
+            if len(tokens) > self._n_ctx:
+                raise InvalidRequest(
+                    f"input[{i}] has {len(tokens)} tokens; this model embeds at most {self._n_ctx} "
+                    "(its context). Shorten or split the input.",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+        return self._side(embeddings=True).embed(token_lists)
+
+    def _side(self, embeddings: bool) -> SideContext:
+        model = self._require_model()
+        with self._cv:
+            key = "embed" if embeddings else "score"
+            if key not in self._sides:
+                threads = int(self._options.get("threads") or default_threads())
+                side = SideContext(model, self._n_ctx, self._n_batch, threads, embeddings, self._flash_attn)
+                side.set_adapters(list(self._loras.values()))
+                self._sides[key] = side
+            return self._sides[key]
+
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        vocab = self._require_model().vocab
+        ids = (
+            llama_cpp.llama_vocab_fim_pre(vocab),
+            llama_cpp.llama_vocab_fim_suf(vocab),
+            llama_cpp.llama_vocab_fim_mid(vocab),
+        )
+        return None if any(t < 0 for t in ids) else ids
+
+    def _log_softmax_rows(self, prompt_ids: list[int], rows: set[int]) -> dict[int, np.ndarray]:
+        if len(prompt_ids) > self._n_ctx:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {self._n_ctx}", param="prompt"
+            )
+        return self._side(embeddings=False).log_softmax_rows(prompt_ids, rows, self._n_vocab)
+
+    def score(self, prompt_ids: list[int], top: int = 0) -> list[tuple[float | None, list[tuple[int, float]]]]:
+        rows = self._log_softmax_rows(prompt_ids, set(range(len(prompt_ids) - 1)))
+        result: list[tuple[float | None, list[tuple[int, float]]]] = [(None, [])]
+        for pos in range(len(prompt_ids) - 1):
+            row = rows[pos]
+            alternatives = [(int(t), float(row[t])) for t in np.argsort(-row)[:top]] if top else []
+            result.append((float(row[prompt_ids[pos + 1]]), alternatives))
+        return result
+
+    def next_token_logprobs(self, prompt_ids: list[int], top: int) -> list[tuple[int, float]]:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        last = len(prompt_ids) - 1
+        row = self._log_softmax_rows(prompt_ids, {last})[last]
+        return [(int(t), float(row[t])) for t in np.argsort(-row)[:top]]
+
+    def set_loras(self, adapters: list[tuple[Path, float]]) -> None:
+        """Replace every adapter with these at once; refused while generations run, and then nothing changes."""
+        llama_cpp_lora.set_adapters(cast("LlamaCppBackend", self), adapters)
+
+    def load_lora(self, path: Path, scale: float = 1.0) -> None:
+        """Apply a GGUF LoRA adapter on top of the ones applied (refused while generations run)."""
+        path = llama_cpp_lora.adapter_file(path, scale)
+        kept = [(Path(k), s) for k, (_, s) in self._loras.items() if Path(k) != path]
+        self.set_loras([*kept, (path, scale)])
+
+    def unload_lora(self, path: Path | None = None) -> None:
+        """Remove one adapter (or all); refused while generations run."""
+        if self._ctx is None:
+            return
+        kept = [
+            (Path(k), s)
+            for k, (_, s) in self._loras.items()
+            if path is not None and path not in (Path(k), Path(k).parent)
+        ]
+        if len(kept) != len(self._loras):
+            self.set_loras(kept)

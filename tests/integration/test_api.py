@@ -163,7 +163,7 @@ def test_json_object_and_json_schema_outputs_parse(client: openai.OpenAI) -> Non
     jsonschema.validate(value, PERSON_SCHEMA)
     anything = client.chat.completions.create(
         model="m",
-        messages=[{"role": "user", "content": "A JSON object please."}],
+        messages=[{"role": "user", "content": 'A JSON object with the keys "city" and "country" for Paris, please.'}],
         response_format={"type": "json_object"},
         max_tokens=400,
         temperature=0,

@@ -54,8 +54,8 @@ def test_simultaneous_greedy_requests_match_each_alone(with_default_model: Path)
         t.start()
     for t in threads:
         t.join()
-    for i in range(4):
-        assert together[i][:16] == alone[i][:16], PROMPTS[i]
+    for i in range(4):  # the build leaves out llamafile's tinyBLAS: a step's batch shape changes no logit
+        assert together[i] == alone[i], PROMPTS[i]
     assert backend.stats()["busy_slots"] == 0
 
 
@@ -125,6 +125,17 @@ def test_prompt_cache_reuses_the_common_prefix(with_default_model: Path) -> None
     generate_text(first, GenerationParams(temperature=0, max_new_tokens=8))
     generate_text(longer, GenerationParams(temperature=0, max_new_tokens=8))
     assert off.stats()["cache_hits"] == 0
+
+
+def test_an_unrelated_prompt_does_not_evict_a_cached_conversation(with_default_model: Path) -> None:
+    backend = load(parallel=2)
+    params = GenerationParams(temperature=0, max_new_tokens=4)
+    long_chat = chat_ids(backend, "Here is my essay, please remember it. " * 40)
+    token_ids(backend, long_chat, params)
+    token_ids(backend, chat_ids(backend, "Hi!"), params)  # shares only the template's first tokens
+    before = backend.stats()["cache_hit_tokens"]
+    token_ids(backend, long_chat, params)
+    assert backend.stats()["cache_hit_tokens"] - before == len(long_chat) - 1
 
 
 def test_long_prompt_does_not_freeze_other_streams(with_default_model: Path) -> None:

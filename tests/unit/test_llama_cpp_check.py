@@ -32,6 +32,13 @@ def test_the_real_build_reports_its_features() -> None:
     features = check.build_features()
     assert features, "llama_print_system_info() gave nothing"
     assert all(value in ("0", "1") or value.isdigit() for value in features.values())
+    # the Makefile builds without llamafile's tinyBLAS, so a token's logits do not depend on its batch
+    assert check.batch_invariant(features) and "LLAMAFILE" not in features
+
+
+def test_a_build_with_tinyblas_is_not_batch_invariant() -> None:
+    assert not check.batch_invariant(check.parse_system_info(PLAIN_BUILD))
+    assert check.batch_invariant(check.parse_system_info(PLAIN_BUILD.replace("LLAMAFILE = 1 | ", "")))
 
 
 def test_a_child_that_segfaults_is_reported_with_its_stack_and_what_to_try() -> None:

@@ -1,0 +1,379 @@
+"""Speculative decoding for the llama.cpp scheduler.
+
+A drafter guesses the next tokens of a sequence: by prompt lookup (the latest earlier place where the text so far
+ends the same way, and what followed it there) or with a small draft model (``--draft-model``, greedy). The
+scheduler feeds the pending token and the draft to the target model in the same batched step and samples every
+row in turn with the request's own sampler; a row whose sample equals the draft token confirms it and the next
+row is read, the first that differs (or the row after the whole draft) gives the token that goes on. For a draft
+that is one token (prompt lookup, greedy drafting) this is exactly the standard acceptance rule: the token is kept
+with the target's probability of it and a rejection draws from the rest, so the output is what the target model
+alone would sample (greedy: the same tokens; seeded sampling: the same random draws, one per token).
+
+How many tokens to draft is chosen per step from the request's acceptance rate so far and the cost of a step,
+``t(n) = base + per_token * n`` (fitted to the scheduler's own steps): a draft is added only while the tokens it is
+expected to yield per second beat the step's own, so speculation backs off when drafts are rejected and when many
+busy slots already fill the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
+
+from modules.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+MAX_NGRAM = 4  # longest suffix looked up
+MAX_DEPTH = 64  # longest draft (the --draft-max bound)
+PRIOR_WEIGHT = 2.0  # pseudo-counts a request's acceptance starts from
+PRIOR_FIRST = 0.35  # the first depth's prior: below what pays, so drafting starts once undrafted candidates held
+PROBE_EVERY = 16  # a draft model that stopped paying drafts one token this often, to notice when it pays again
+DECAY = 0.95  # older verifications weigh less, so a change of text (prose after a copied block) is followed
+
+
+class NgramIndex:
+    """Where each n-gram (n = 1..MAX_NGRAM) of a growing token list last occurred, and what followed it."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens: list[int] = []
+        self._next: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_NGRAM + 1)]
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        """Add a token: every n-gram that ends just before it now has a known continuation (this token)."""
+        tokens = self.tokens
+        end = len(tokens)
+        for n in range(1, min(MAX_NGRAM, end) + 1):
+            self._next[n][tuple(tokens[end - n : end])] = end
+        tokens.append(token)
+
+    def draft(self, limit: int) -> tuple[list[int], int]:
+        """Up to ``limit`` tokens that followed the longest earlier match of the list's end, and that match's n."""
+        tokens = self.tokens
+        for n in range(min(MAX_NGRAM, len(tokens)), 0, -1):
+            start = self._next[n].get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start : start + limit], n
+        return [], 0
+
+
+class Acceptance:
+    """Decayed counts, at each depth of a draft, of how often its token held when the ones before it did.
+
+    Depths are kept apart because drafts hold in runs: a copied passage either goes on or it does not, so the
+    fifth token of a draft whose first four held is far likelier to hold than a first one.
+    """
+
+    def __init__(self) -> None:
+        self.tried = [0.0] * MAX_DEPTH
+        self.held = [0.0] * MAX_DEPTH
+
+    def rate(self, depth: int = 0) -> float:
+        """The chance the draft's token at ``depth`` holds given the ones before it did (a prior of weight
+        ``PRIOR_WEIGHT`` on the depth before's rate, and on PRIOR_FIRST at the first depth)."""
+        prior = PRIOR_FIRST
+        for j in range(depth + 1):
+            prior = (self.held[j] + PRIOR_WEIGHT * prior) / (self.tried[j] + PRIOR_WEIGHT)
+        return prior
+
+    def rates(self, limit: int) -> list[float]:
+        """``rate(j)`` for j = 0..limit-1."""
+        out, prior = [], PRIOR_FIRST
+        for j in range(min(limit, MAX_DEPTH)):
+            prior = (self.held[j] + PRIOR_WEIGHT * prior) / (self.tried[j] + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` tokens whose first ``accepted`` held."""
+        for j in range(min(accepted + 1, drafted, MAX_DEPTH)):
+            self.tried[j] = self.tried[j] * DECAY + 1.0
+            self.held[j] = self.held[j] * DECAY + (1.0 if j < accepted else 0.0)
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its drafter state, acceptance per match length, totals for its stats."""
+
+    index: NgramIndex | None = None
+    acceptance: dict[int, Acceptance] = field(default_factory=dict)  # by n-gram length (0: the draft model)
+    draft: list[int] = field(default_factory=list)  # the tokens in flight this step
+    source: int = 0  # which acceptance record the draft in flight belongs to
+    shadow: int | None = None  # a candidate not drafted this step: checked against what comes, for free
+    idle: int = 0  # steps since the last draft (a draft model probes after PROBE_EVERY)
+    drafted: int = 0
+    accepted: int = 0
+
+    def record(self, first_token: int, accepted: int) -> None:
+        """After a verification: ``accepted`` draft tokens held; ``first_token`` is the step's first sample."""
+        if self.draft:
+            self.acceptance.setdefault(self.source, Acceptance()).update(len(self.draft), accepted)
+        elif self.shadow is not None:
+            self.acceptance.setdefault(self.source, Acceptance()).update(1, int(self.shadow == first_token))
+        self.draft, self.shadow = [], None
+
+
+def best_length(
+    rates: float | list[float], limit: int, step_tokens: float, step_time: float, per_token: float
+) -> tuple[int, float]:
+    """The draft length (0..limit) that most raises the step's tokens per second, 0 when none does, and the
+    draft tokens it is expected to yield. ``rates``: the chance each depth holds given the ones before did (one
+    number: the same at every depth)."""
+    depth_rates = [rates] * limit if isinstance(rates, float) else rates[:limit]
+    best, best_gain, best_speed = 0, 0.0, step_tokens / step_time
+    reach, gain = 1.0, 0.0
+    for k, rate in enumerate(depth_rates, start=1):
+        reach *= rate  # the chance all of the first k hold
+        gain += reach
+        speed = (step_tokens + gain) / (step_time + per_token * k)
+        if speed > best_speed * 1.001:
+            best, best_gain, best_speed = k, gain, speed
+    return best, best_gain
+
+
+class StepCost:
+    """Step time ``base + per_token * tokens`` in seconds, fitted to the scheduler's own decode steps (a decayed
+    least-squares line; steps that feed a prompt are not counted).
+
+    Until the steps vary enough to fit a slope, the line keeps the shape measured for small models on a CPU
+    (``base`` = 1.3 ``per_token``) through the steps' mean. There are no calibration decodes at load time: a
+    first decode of another shape than the scheduler's slowed every later step of that context by a third.
+    """
+
+    SHAPE = 1.3
+    DECAY = 0.98
+
+    def __init__(self, base: float = 0.0065, per_token: float = 0.005) -> None:
+        self.base, self.per_token = base, per_token
+        self._sums = [0.0] * 5  # weight, tokens, seconds, tokens^2, tokens*seconds
+
+    def time(self, tokens: int) -> float:
+        return self.base + self.per_token * tokens
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Count one decode step of ``tokens`` tokens that took ``seconds``."""
+        sums = [x * self.DECAY for x in self._sums]
+        for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            sums[i] += value
+        self._sums = sums
+        weight, n, t, nn, nt = sums
+        mean_n, mean_t = n / weight, t / weight
+        shaped = mean_t / (mean_n + self.SHAPE)
+        variance = nn / weight - mean_n**2
+        slope = (nt / weight - mean_n * mean_t) / variance if variance > 0.25 else shaped
+        self.per_token = min(max(slope, 0.2 * shaped), mean_t / mean_n)
+        self.base = max(mean_t - self.per_token * mean_n, 1e-4)
+
+
+@dataclass
+class Work:
+    """A decoding sequence the speculator may draft for this step."""
+
+    seq_id: int
+    state: SpecState
+    tokens: list[int]  # what the sequence holds and the token about to be fed (for a draft model)
+    limit: int  # most draft tokens it may take (room left in its reply, its context and the batch)
+
+
+class Speculator:
+    """Chooses and makes the drafts of one step, for every decoding sequence."""
+
+    def __init__(self, cost: StepCost, draft_max: int, draft_model: DraftModel | None = None) -> None:
+        self.cost, self.draft_max, self.draft_model = cost, draft_max, draft_model
+        self.drafted = 0  # totals for /metrics
+        self.accepted = 0
+
+    def plan(self, work: list[Work], room: int) -> int:
+        """Set each sequence's draft (``state.draft``, at most ``room`` tokens in all); returns how many."""
+        step_tokens = float(len(work))
+        step_time = self.cost.time(len(work))
+        per_token = self.cost.per_token
+        wanted: list[tuple[int, list[int], int]] = []
+        total = 0
+        for item in work:
+            state = item.state
+            limit = min(item.limit, self.draft_max, room - total)
+            if limit <= 0:
+                continue
+            if self.draft_model is not None:
+                state.source = 0
+                candidate: list[int] | None = None
+            else:
+                assert state.index is not None
+                candidate, state.source = state.index.draft(limit)
+                if not candidate:
+                    continue
+                limit = len(candidate)
+            rates = state.acceptance.setdefault(state.source, Acceptance()).rates(limit)
+            k, gain = best_length(rates, limit, step_tokens, step_time, per_token)
+            if k == 0 and candidate is None:  # a draft model's guess is not free to check: probe now and then
+                state.idle += 1
+                if state.idle >= PROBE_EVERY:
+                    k, gain = 1, rates[0]
+            if k == 0:
+                state.shadow = candidate[0] if candidate else None
+                continue
+            state.idle = 0
+            step_tokens += gain
+            step_time += per_token * k
+            total += k
+            state.drafted += k
+            self.drafted += k
+            if candidate is not None:
+                state.draft = candidate[:k]
+            else:
+                wanted.append((item.seq_id, item.tokens, k))
+        if wanted and self.draft_model is not None:
+            by_seq = {item.seq_id: item.state for item in work}
+            try:
+                drafts = self.draft_model.draft(wanted)
+            except Exception:  # the target's step goes on without drafts
+                log.exception("the draft model failed; this step runs without drafts")
+                drafts = {}
+                for seq_id, _, k in wanted:
+                    by_seq[seq_id].drafted -= k
+                    self.drafted -= k
+            for seq_id, tokens in drafts.items():
+                by_seq[seq_id].draft = tokens
+        return total
+
+    def confirmed(self, state: SpecState) -> None:
+        """One draft token of ``state`` held."""
+        state.accepted += 1
+        self.accepted += 1
+
+    def close(self) -> None:
+        if self.draft_model is not None:
+            self.draft_model.close()
+            self.draft_model = None
+
+
+class DraftModel:
+    """A small GGUF that drafts greedily for the scheduler's sequences, in a context of its own."""
+
+    def __init__(
+        self,
+        path: Path,
+        target: Any,
+        n_ctx: int,
+        parallel: int,
+        threads: int,
+        flash_attn: int,
+        model_params: Any,
+    ) -> None:
+        """``target``: the target model (a LlamaModel); ``model_params``: the target's load parameters (GPU
+        layers, the AMX guard's extra buffers), used for the draft too."""
+        try:
+            self.model = LlamaModel(path_model=str(path), params=model_params, verbose=False)
+        except (ValueError, OSError) as exc:
+            raise ModelLoadError(f"llama.cpp could not load the draft model {path.name}: {exc}") from exc
+        try:
+            ours, theirs = self.model.n_vocab(), target.n_vocab()
+            # llama.cpp's own rule: vocabularies may differ by padding (up to 128 tokens), the shared part must agree
+            if abs(ours - theirs) > 128 or not _same_vocab(self.model.vocab, target.vocab, min(ours, theirs)):
+                raise ModelLoadError(
+                    f"the draft model {path.name} has another vocabulary than the model it drafts for "
+                    f"({ours} vs {theirs} tokens): pick a draft model of the same family"
+                )
+            if llama_cpp.llama_model_is_recurrent(self.model.model) or llama_cpp.llama_model_is_hybrid(
+                self.model.model
+            ):
+                raise ModelLoadError(
+                    f"the draft model {path.name} is a recurrent or hybrid model, whose state cannot drop rejected "
+                    "draft tokens: pick a transformer"
+                )
+            ctx_params = llama_cpp.llama_context_default_params()
+            ctx_params.n_ctx, ctx_params.n_seq_max = n_ctx * parallel, parallel
+            ctx_params.n_batch = ctx_params.n_ubatch = 512
+            ctx_params.n_threads = ctx_params.n_threads_batch = threads
+            ctx_params.no_perf = True
+            ctx_params.flash_attn_type = flash_attn  # as the target's
+            self.ctx = LlamaContext(model=self.model, params=ctx_params, verbose=False)
+        except BaseException:
+            self.model.close()
+            raise
+        self.n_vocab = ours
+        self.usable = min(ours, theirs)  # a drafted token must exist in the target's vocabulary
+        self.batch = LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
+        self.tokens: list[list[int]] = [[] for _ in range(parallel)]  # what the draft KV holds per sequence
+
+    def close(self) -> None:
+        self.batch.close()
+        self.ctx.close()
+        self.model.close()
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        raw = self.batch.batch
+        for j, (token, pos, seq, logits) in enumerate(items):
+            raw.token[j], raw.pos[j], raw.n_seq_id[j] = token, pos, 1
+            raw.seq_id[j][0], raw.logits[j] = seq, logits
+        raw.n_tokens = len(items)
+        if llama_cpp.llama_decode(self.ctx.ctx, raw) != 0:
+            raise RuntimeError("llama_decode failed in the draft model")
+        for token, _, seq, _ in items:  # the draft cache now holds them
+            self.tokens[seq].append(token)
+
+    def _argmax(self, row: int) -> int:
+        logits = llama_cpp.llama_get_logits_ith(self.ctx.ctx, row)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,))[: self.usable].argmax())
+
+    def draft(self, wanted: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        """For each (seq_id, tokens so far, k): k greedy tokens after ``tokens``. Each sequence catches up alone
+        (its new tokens, in chunks; its first guess read from its own last chunk), then all step together."""
+        out: dict[int, list[int]] = {}
+        limits = {seq: k for seq, _, k in wanted}
+        try:
+            for seq, tokens, _ in wanted:
+                held = self.tokens[seq]
+                keep = min(_prefix(held, tokens), len(tokens) - 1)  # the last token is fed again for its logits
+                if keep < len(held):
+                    self.ctx.kv_cache_seq_rm(seq, keep, -1)
+                    del held[keep:]
+                rest, row = tokens[keep:], 0
+                for start in range(0, len(rest), 512):
+                    chunk = rest[start : start + 512]
+                    last = start + len(chunk) == len(rest)
+                    items = [(t, keep + start + j, seq, last and j == len(chunk) - 1) for j, t in enumerate(chunk)]
+                    self._decode(items)
+                    row = len(chunk) - 1
+                out[seq] = [self._argmax(row)]  # read before the next sequence's decode replaces the logits
+            while True:
+                items = [(out[seq][-1], len(self.tokens[seq]), seq, True) for seq in out if len(out[seq]) < limits[seq]]
+                if not items:
+                    return out
+                self._decode(items)
+                for j, (_, _, seq, _) in enumerate(items):
+                    out[seq].append(self._argmax(j))
+        except Exception:
+            for seq, _, _ in wanted:  # whatever the cache holds now is unknown: start these sequences afresh
+                self.forget(seq)
+            raise
+
+    def forget(self, seq: int) -> None:
+        self.ctx.kv_cache_seq_rm(seq, 0, -1)
+        self.tokens[seq].clear()
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _same_vocab(a: Any, b: Any, n_vocab: int) -> bool:
+    """The two vocabularies spell a sample of tokens (the first 256, then every 97th) the same."""
+    for token in [*range(min(256, n_vocab)), *range(256, n_vocab, 97)]:
+        if llama_cpp.llama_vocab_get_text(a, token) != llama_cpp.llama_vocab_get_text(b, token):
+            return False
+    return True

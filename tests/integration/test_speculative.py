@@ -1,0 +1,267 @@
+"""Speculative decoding in the llama.cpp engine: the output is the target model's, token for token.
+
+The Makefile builds llama.cpp without llamafile's tinyBLAS and the backend runs without flash attention on the CPU,
+so a token's logits do not depend on how many tokens share its step: speculative and plain decoding must agree to
+the bit (tokens and log probabilities), at any context length.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from modules.generation.params import GenerationParams
+from modules.loaders.base import Backend, TokenEvent
+from modules.loaders.llama_cpp import LlamaCppBackend
+from modules.loaders.llama_cpp_spec import (
+    Acceptance,
+    NgramIndex,
+    SpecState,
+    Speculator,
+    StepCost,
+    Work,
+    best_length,
+)
+from tests.conftest import default_model_path
+
+CODE = """def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+"""
+LONG_CODE = Path(__file__).read_text()[:2400]  # ~600 tokens: past the 512 KV cells where attention splits
+PROMPTS = [
+    f"Rewrite this Python code with type hints, and change nothing else:\n\n{CODE}",
+    "Write a story about a robot who learns to paint.",
+    "List the planets of the solar system, one per line, with one fact about each.",
+    f"Repeat this text exactly: {CODE}",
+    f"Rewrite this file with the word 'draft' replaced by 'guess':\n\n{LONG_CODE}",
+]
+
+
+def chat(backend: Backend, text: str) -> list[int]:
+    return backend.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def events(backend: Backend, ids: list[int], params: GenerationParams) -> list[TokenEvent]:
+    return list(backend.generate(ids, params, threading.Event()))
+
+
+def tokens(evs: list[TokenEvent]) -> list[int]:
+    return [e.token_id for e in evs if e.token_id >= 0]
+
+
+@pytest.fixture(scope="module")
+def plain() -> LlamaCppBackend:
+    backend = LlamaCppBackend.load(default_model_path(), {"speculative": False, "parallel": 2})
+    yield backend
+    backend.unload()
+
+
+@pytest.fixture(scope="module")
+def spec() -> LlamaCppBackend:
+    backend = LlamaCppBackend.load(default_model_path(), {"parallel": 2})
+    yield backend
+    backend.unload()
+
+
+def test_speculative_greedy_equals_plain_greedy(plain: LlamaCppBackend, spec: LlamaCppBackend) -> None:
+    from modules.loaders import llama_cpp_check
+
+    assert llama_cpp_check.batch_invariant()  # built by the Makefile
+    params = GenerationParams(temperature=0, max_new_tokens=128, ban_eos=True)
+    before = spec.stats()
+    for text in PROMPTS:
+        ids = chat(spec, text)
+        want, got = events(plain, ids, params), events(spec, ids, params)
+        assert tokens(got) == tokens(want), text
+        assert len(tokens(got)) == 128
+        drafted, accepted = got[-1].speculation or (0, 0)
+        assert want[-1].speculation is None
+    after = spec.stats()
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    assert accepted >= 150, (drafted, accepted)  # the copying prompts were drafted and confirmed in bulk
+    # fewer steps than tokens: several tokens were accepted per weight read
+    assert after["steps"] - before["steps"] < len(PROMPTS) * 128 - accepted // 2
+
+
+def test_metrics_and_the_stats_line_show_acceptance(spec: LlamaCppBackend) -> None:
+    from extensions.openai.metrics import Metrics
+    from modules.generation.pipeline import generate_text
+
+    _, stats = generate_text(chat(spec, PROMPTS[3]), GenerationParams(temperature=0, max_new_tokens=64), backend=spec)
+    assert 0 < stats.accepted_tokens <= stats.draft_tokens
+    assert f"drafts {stats.accepted_tokens}/{stats.draft_tokens} accepted" in stats.summary()
+    now = spec.stats()
+    text = Metrics().render(now, "default", 0)
+    assert f"textgen_speculative_draft_tokens_total {now['draft_tokens']}" in text
+    assert f"textgen_speculative_accepted_tokens_total {now['accepted_tokens']}" in text
+    assert now["accepted_tokens"] > 0
+
+
+def test_logprobs_and_seeded_sampling_are_unchanged(plain: LlamaCppBackend, spec: LlamaCppBackend) -> None:
+    ids = chat(spec, PROMPTS[0])
+    greedy = GenerationParams(temperature=0, max_new_tokens=96, ban_eos=True, logprobs=True, top_logprobs=3)
+    want, got = events(plain, ids, greedy), events(spec, ids, greedy)
+    assert [(e.token_id, e.logprob) for e in got] == [(e.token_id, e.logprob) for e in want]
+    assert [[(t.token_id, t.logprob) for t in e.top_logprobs or []] for e in got] == [
+        [(t.token_id, t.logprob) for t in e.top_logprobs or []] for e in want
+    ]
+    assert (got[-1].speculation or (0, 0))[1] > 0
+    # with sampling, a draft token is kept when the request's own sampler draws it: one random draw per token,
+    # as without speculation, so a seed gives the same reply
+    for seed in (1, 2, 3):
+        sampled = GenerationParams(temperature=0.7, top_p=0.9, seed=seed, max_new_tokens=96, ban_eos=True)
+        assert tokens(events(spec, ids, sampled)) == tokens(events(plain, ids, sampled)), seed
+
+
+def test_grammar_holds_with_speculation(plain: LlamaCppBackend, spec: LlamaCppBackend) -> None:
+    import json
+
+    text = 'Copy this JSON: {"name": "Ada Lovelace", "city": "London", "age": 36}'
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "city", "age"],
+        "additionalProperties": False,
+    }
+    params = GenerationParams(temperature=0, max_new_tokens=96, json_schema=schema)
+    ids = chat(spec, text)
+    got = events(spec, ids, params)
+    assert tokens(got) == tokens(events(plain, ids, params))
+    reply = json.loads(spec.decode(tokens(got)))
+    assert set(reply) == {"name", "city", "age"} and isinstance(reply["age"], int)
+    assert (got[-1].speculation or (0, 0))[1] > 0  # the copied JSON was drafted
+
+
+def test_cancelling_mid_draft_frees_the_slot_and_keeps_the_cache_right(
+    plain: LlamaCppBackend, spec: LlamaCppBackend
+) -> None:
+    ids = chat(spec, PROMPTS[3])
+    params = GenerationParams(temperature=0, max_new_tokens=128, ban_eos=True)
+    cancel = threading.Event()
+    seen = []
+    stream = spec.generate(ids, params, cancel)
+    started = time.monotonic()
+    for event in stream:
+        seen.append(event)
+        if len(seen) == 20:  # inside a copied run: drafts are in flight at every step
+            cancel.set()
+        if event.finish_reason:
+            break
+    assert seen[-1].finish_reason == "cancelled"
+    assert len(seen) < 60 and time.monotonic() - started < 30
+    deadline = time.monotonic() + 5
+    while spec.stats()["busy_slots"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spec.stats()["busy_slots"] == 0
+    # the slot's cache now holds the prompt and the confirmed part of the reply only: going on from the reply
+    # so far reuses all of it (a rejected draft left in the cache would change what comes next)
+    hits = spec.stats()["cache_hit_tokens"]
+    more = ids + tokens(seen)
+    assert tokens(events(spec, more, params)) == tokens(events(plain, more, params))
+    assert spec.stats()["cache_hit_tokens"] - hits >= len(ids) + len(tokens(seen)) - 2
+
+
+def test_concurrent_speculative_streams_equal_plain_streams_alone(
+    plain: LlamaCppBackend, spec: LlamaCppBackend
+) -> None:
+    params = GenerationParams(temperature=0, max_new_tokens=128, ban_eos=True)
+    prompts = [chat(spec, PROMPTS[4]), chat(spec, PROMPTS[1])]  # a long copying one beside a story
+    alone = [tokens(events(plain, ids, params)) for ids in prompts]
+    together: dict[int, list[int]] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: together.__setitem__(i, tokens(events(spec, prompts[i], params))))
+        for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert together[0] == alone[0] and together[1] == alone[1]
+
+
+def test_draft_model_output_is_the_target_model_s(plain: LlamaCppBackend, tmp_path: Path) -> None:
+    params = GenerationParams(temperature=0, max_new_tokens=64, ban_eos=True)
+    options = {"draft_model": str(default_model_path()), "draft_max": 6, "parallel": 2}
+    backend = LlamaCppBackend.load(default_model_path(), options)
+    try:
+        # a story (prompt lookup finds little, a draft model guesses well), and beside it a prompt longer than
+        # the draft model's 512-token chunk while the story is decoding
+        story, long = chat(backend, PROMPTS[1]), chat(backend, PROMPTS[4] + PROMPTS[4])
+        assert len(long) > 600
+        got = events(backend, story, params)
+        assert tokens(got) == tokens(events(plain, story, params))
+        drafted, accepted = got[-1].speculation or (0, 0)
+        assert drafted > 0 and accepted / drafted > 0.9, (drafted, accepted)  # the same model drafts itself
+        results: dict[str, list[int]] = {}
+        threads = [
+            threading.Thread(target=lambda k=k, ids=ids: results.__setitem__(k, tokens(events(backend, ids, params))))
+            for k, ids in (("story", story), ("long", long))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results["story"] == tokens(got)
+        assert results["long"] == tokens(events(plain, long, params))
+        # the drafter itself, for two sequences at once, one longer than its 512-token chunk: each gets the
+        # greedy continuation (the draft is the target model, so it must guess the target's tokens)
+        assert backend._spec is not None and backend._spec.draft_model is not None
+        drafts = backend._spec.draft_model.draft([(0, long, 3), (1, story, 3)])
+        assert drafts[0] == tokens(events(plain, long, params))[:3]
+        assert drafts[1] == tokens(got)[:3]
+    finally:
+        backend.unload()
+    with pytest.raises(Exception, match="draft model"):
+        LlamaCppBackend.load(default_model_path(), {"draft_model": str(tmp_path / "missing.gguf")})
+
+
+# ---------------------------------------------------------------- the drafter and the policy, without a model
+def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
+    index = NgramIndex([5, 6, 7, 8, 9, 1, 2, 5, 6, 7])
+    assert index.draft(3) == ([8, 9, 1], 3)  # "5 6 7" came before, followed by 8 9 1
+    index.append(4)
+    assert index.draft(3) == ([], 0)  # nothing ever followed a 4
+    index = NgramIndex([1, 2, 3, 1, 2, 4, 1, 2])
+    assert index.draft(2) == ([4, 1], 2)  # the latest "1 2" wins
+
+
+def test_draft_length_follows_acceptance_and_busy_slots() -> None:
+    cost = StepCost(base=0.007, per_token=0.005)
+    one, _ = best_length(0.9, 16, 1, cost.time(1), cost.per_token)
+    assert one >= 3
+    assert best_length(0.3, 16, 1, cost.time(1), cost.per_token)[0] == 0  # drafts that fail cost more than they give
+    eight, _ = best_length(0.9, 16, 8, cost.time(8), cost.per_token)
+    assert eight < one  # a full step gains less from each extra token
+    # drafts hold in runs: when the first tokens held, deeper ones are likelier to, and drafts grow long
+    copying = [0.8] + [0.99] * 15
+    assert best_length(copying, 16, 1, cost.time(1), cost.per_token)[0] >= 10
+    rate = Acceptance()
+    for _ in range(10):
+        rate.update(4, 0)
+    assert rate.rate() < 0.15
+    for _ in range(20):
+        rate.update(8, 8)
+    assert rate.rate() > 0.75 and rate.rate(7) > 0.9  # it recovers when the text turns to copying
+
+
+def test_an_undrafted_candidate_still_teaches_the_rate() -> None:
+    state = SpecState(index=NgramIndex([1, 2, 3, 9, 1, 2]))
+    state.acceptance[2] = Acceptance()
+    for _ in range(20):
+        state.acceptance[2].update(1, 0)  # no draft pays now
+    speculator = Speculator(StepCost(), draft_max=8)
+    assert speculator.plan([Work(0, state, [], 8)], room=64) == 0
+    assert state.shadow == 3
+    for _ in range(40):
+        state.record(3, 0)  # what came was the candidate's first token, again and again
+        state.shadow = 3
+    assert state.acceptance[2].rate() > 0.8
+    assert speculator.plan([Work(0, state, [], 8)], room=64) > 0
