@@ -66,7 +66,8 @@ def test_cancel_ends_generation_within_a_step(with_default_model: Path) -> None:
             cancel.set()
         if delta.stats:
             assert delta.stats.finish_reason == "cancelled"
-            assert delta.stats.new_tokens < 12
+            # counted in steps: a step also brings the draft tokens it confirmed (speculative decoding)
+            assert delta.stats.new_tokens - delta.stats.accepted_tokens < 12
     assert backend.stats()["busy_slots"] == 0
 
 
