@@ -88,6 +88,20 @@ def hub(user_data: Path, models_dir: Path) -> Iterator[object]:
 
 
 @pytest.fixture
+def tiny(hub: object, tiny_models: Path, user_data: Path) -> Path:
+    """The hub pointed at the tiny models and their LoRA folder."""
+    from modules import shared
+    from modules.settings import load_settings
+
+    loaded = load_settings(
+        ["--user-data-dir", str(user_data), "--model-dir", str(tiny_models), "--lora-dir", str(tiny_models / "loras")],
+        env={},
+    )
+    shared.init(loaded)
+    return tiny_models
+
+
+@pytest.fixture
 def with_default_model(hub: object, models_dir: Path) -> Path:
     """The default model linked into the isolated models folder."""
     link = models_dir / DEFAULT_MODEL

@@ -21,7 +21,6 @@ from typing import Any
 
 import llama_cpp
 import llama_cpp._logger
-import numpy as np
 from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
 from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, QueueFull
@@ -30,7 +29,7 @@ from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_lora, precheck
 from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver, drain
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
 from modules.loaders.llama_cpp_side import SideContext, SideOps, default_threads
-from modules.loaders.llama_cpp_spec import DraftModel, NgramIndex, SpecState, Speculator, StepCost, Work
+from modules.loaders.llama_cpp_spec import NgramIndex, SpecState, Speculator, Work, common_prefix, start_speculation
 
 log = logging.getLogger(__name__)
 
@@ -72,22 +71,13 @@ class _Slot:
     last_used: float = 0.0
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x, y = np.asarray(a[:n], dtype=np.int32), np.asarray(b[:n], dtype=np.int32)
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if diff.size else n
-
-
 def _best_slot(free: list[_Slot], prompt: list[int]) -> _Slot:
     """The free slot whose cache serves the prompt best: tokens reused, less half of the cached tokens thrown away
     (then the least recently used), so a prompt that shares only a system prompt or a template's first tokens
     takes an empty slot instead of evicting a long cached conversation."""
 
     def value(slot: _Slot) -> tuple[float, float]:
-        reused = _common_prefix(slot.tokens, prompt)
+        reused = common_prefix(slot.tokens, prompt)
         return reused - (len(slot.tokens) - reused) / 2, -slot.last_used
 
     return max(free, key=value)
@@ -201,35 +191,18 @@ class LlamaCppBackend(SideOps, Backend):
         self._slots = [_Slot(seq_id=i) for i in range(parallel)]
         self.max_parallel = parallel
         if options.get("speculative", True) is not False:
-            self._start_speculation(options, parallel, threads, ctx_params.flash_attn_type, model_params)
+            try:
+                self._spec = start_speculation(
+                    self._model, options, self._n_ctx, parallel, threads, ctx_params.flash_attn_type, model_params
+                )
+            except ModelLoadError:
+                self.unload()
+                raise
         self.metadata = self._read_metadata(path)
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="llama.cpp-scheduler", daemon=True)
         self._thread.start()
         return self
-
-    def _start_speculation(
-        self, options: dict[str, Any], parallel: int, threads: int, flash_attn: int, model_params: Any
-    ) -> None:
-        assert self._model is not None and self._ctx is not None
-        model = self._model.model
-        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
-            log.info("Speculative decoding off: a recurrent or hybrid model's state cannot drop rejected drafts")
-            return
-        draft = None
-        if options.get("draft_model"):
-            try:
-                draft = DraftModel(
-                    Path(options["draft_model"]), self._model, self._n_ctx, parallel, threads, flash_attn, model_params
-                )
-            except ModelLoadError:
-                self.unload()
-                raise
-        self._spec = Speculator(StepCost(), int(options.get("draft_max") or 16), draft)
-        log.info(
-            "Speculative decoding on (%s)",
-            f"draft model {Path(options['draft_model']).name}" if draft else "prompt lookup",
-        )
 
     def _read_metadata(self, path: Path) -> ModelMetadata:
         assert self._model is not None
@@ -427,7 +400,7 @@ class LlamaCppBackend(SideOps, Backend):
                 return
             self._waiting.popleft()
             best = _best_slot(free, req.prompt)
-            reuse = min(_common_prefix(best.tokens, req.prompt), len(req.prompt) - 1) if self._prompt_cache else 0
+            reuse = min(common_prefix(best.tokens, req.prompt), len(req.prompt) - 1) if self._prompt_cache else 0
             assert self._ctx is not None
             if reuse < len(best.tokens):
                 if not self._ctx.kv_cache_seq_rm(best.seq_id, reuse, -1):

@@ -333,7 +333,7 @@ class DraftModel:
         try:
             for seq, tokens, _ in wanted:
                 held = self.tokens[seq]
-                keep = min(_prefix(held, tokens), len(tokens) - 1)  # the last token is fed again for its logits
+                keep = min(common_prefix(held, tokens), len(tokens) - 1)  # the last token is fed again for its logits
                 if keep < len(held):
                     self.ctx.kv_cache_seq_rm(seq, keep, -1)
                     del held[keep:]
@@ -362,13 +362,38 @@ class DraftModel:
         self.tokens[seq].clear()
 
 
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def start_speculation(
+    target: LlamaModel,
+    options: dict[str, Any],
+    n_ctx: int,
+    parallel: int,
+    threads: int,
+    flash_attn: int,
+    model_params: Any,
+) -> Speculator | None:
+    """The speculator for a loaded model (None for recurrent and hybrid models, whose state cannot drop rejected
+    drafts); loads ``options["draft_model"]`` when set (ModelLoadError when it cannot be used)."""
+    if llama_cpp.llama_model_is_recurrent(target.model) or llama_cpp.llama_model_is_hybrid(target.model):
+        log.info("Speculative decoding off: a recurrent or hybrid model's state cannot drop rejected drafts")
+        return None
+    draft = None
+    if options.get("draft_model"):
+        path = Path(options["draft_model"])
+        draft = DraftModel(path, target, n_ctx, parallel, threads, flash_attn, model_params)
+    log.info(
+        "Speculative decoding on (%s)", f"draft model {Path(options['draft_model']).name}" if draft else "prompt lookup"
+    )
+    return Speculator(StepCost(), int(options.get("draft_max") or 16), draft)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two lists share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n], dtype=np.int32), np.asarray(b[:n], dtype=np.int32)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
 
 
 def _same_vocab(a: Any, b: Any, n_vocab: int) -> bool:

@@ -18,24 +18,12 @@ from modules.chat.prompt import render_messages
 from modules.errors import ExtensionFailed, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import generate_reply, generate_text, prepare
-from modules.settings import load_settings
 from tests.conftest import hf_default_model
 
 CAPITAL = [
     {"role": "system", "content": "You are a helpful AI assistant."},
     {"role": "user", "content": "What is the capital of France?"},
 ]
-
-
-@pytest.fixture
-def tiny(hub: object, tiny_models: Path, user_data: Path) -> Path:
-    """The hub pointed at the tiny models and their LoRA folder."""
-    loaded = load_settings(
-        ["--user-data-dir", str(user_data), "--model-dir", str(tiny_models), "--lora-dir", str(tiny_models / "loras")],
-        env={},
-    )
-    shared.init(loaded)
-    return tiny_models
 
 
 def test_real_model_as_hf_folder_answers(hub: object, models_dir: Path) -> None:

@@ -18,7 +18,6 @@ from modules.errors import QueueFull
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import prepare
 from modules.loaders.base import TokenEvent
-from modules.settings import load_settings
 from tests.conftest import hf_default_model
 
 PROMPTS = [
@@ -27,17 +26,6 @@ PROMPTS = [
     "Write a short poem about the sea, the sky and the wind that blows between them:",
     "1, 2, 3,",
 ]
-
-
-@pytest.fixture
-def tiny(hub: object, tiny_models: Path, user_data: Path) -> Path:
-    """The hub pointed at the tiny models and their LoRA folder."""
-    loaded = load_settings(
-        ["--user-data-dir", str(user_data), "--model-dir", str(tiny_models), "--lora-dir", str(tiny_models / "loras")],
-        env={},
-    )
-    shared.init(loaded)
-    return tiny_models
 
 
 def tokens(events: object) -> list[int]:
