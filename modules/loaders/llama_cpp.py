@@ -25,10 +25,10 @@ from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
 from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
-from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_lora, precheck
+from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_spec, precheck
 from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver, drain
 from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
-from modules.loaders.llama_cpp_side import SideContext, SideOps, default_threads
+from modules.loaders.llama_cpp_side import SideContext, SideOps, Task, default_threads
 from modules.loaders.llama_cpp_spec import NgramIndex, SpecState, Speculator, Work, common_prefix, start_speculation
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class LlamaCppBackend(SideOps, Backend):
         self._options: dict[str, Any] = {}
         self._sides: dict[str, SideContext] = {}  # "embed" and "score" contexts, created on first use
         self._loras: dict[str, tuple[Any, float]] = {}
-        self._tasks: list[llama_cpp_lora.Task] = []  # work the scheduler thread runs between steps (LoRA changes)
+        self._tasks: list[Task] = []  # work the scheduler thread runs between steps (LoRA changes, side contexts)
         self._outbox: list[tuple[TokenSink, TokenEvent | BaseException]] = []  # sink events of this step
         self.extra_buffers = True  # llama.cpp's use_extra_bufts for this model (off: no AMX, no repacking)
         self._spec: Speculator | None = None
@@ -131,7 +131,7 @@ class LlamaCppBackend(SideOps, Backend):
         precheck.gguf_file(path)
         if options.get("draft_model") and options.get("speculative", True) is not False:
             try:
-                precheck.gguf_file(Path(options["draft_model"]))
+                precheck.gguf_file(llama_cpp_spec.draft_path(options["draft_model"]))
             except ModelLoadError as exc:
                 raise ModelLoadError(f"the draft model cannot be used: {exc}") from exc
 
@@ -438,7 +438,7 @@ class LlamaCppBackend(SideOps, Backend):
                 tasks, self._tasks = self._tasks, []
             for task in tasks:  # between steps: nothing is decoding or sampling now
                 try:
-                    task.run()
+                    task.result = task.run()
                 except BaseException as exc:  # handed to the caller waiting on the task
                     task.error = exc
                 finally:

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,30 +18,6 @@ from modules.errors import InvalidRequest, ModelLoadError, NotSupported
 
 if TYPE_CHECKING:
     from modules.loaders.llama_cpp import LlamaCppBackend
-
-
-@dataclass
-class Task:
-    """A function the scheduler thread runs between steps, with its outcome for the waiting caller."""
-
-    run: Callable[[], None]
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-
-def on_scheduler(backend: LlamaCppBackend, fn: Callable[[], None]) -> None:
-    """Run ``fn`` on the scheduler thread between two steps, wait for it, and re-raise what it raised."""
-    task = Task(fn)
-    with backend._cv:
-        if not backend._running or backend._thread is None or not backend._thread.is_alive():
-            raise ModelLoadError("the model has been unloaded")
-        backend._tasks.append(task)
-        backend._cv.notify_all()
-    while not task.done.wait(0.5):
-        if backend._thread is None or not backend._thread.is_alive():
-            raise RuntimeError("the llama.cpp scheduler stopped")
-    if task.error is not None:
-        raise task.error
 
 
 def adapter_file(path: Path, scale: float) -> Path:
@@ -84,7 +57,7 @@ def set_adapters(backend: LlamaCppBackend, adapters: list[tuple[Path, float]]) -
         for adapter, _ in old.values():
             llama_cpp.llama_adapter_lora_free(adapter)
 
-    on_scheduler(backend, change)
+    backend._on_scheduler(change)
 
 
 def require_idle(backend: LlamaCppBackend) -> None:

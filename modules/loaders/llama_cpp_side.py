@@ -1,24 +1,46 @@
 """One-sequence llama.cpp contexts beside the scheduler's (mean-pooled embeddings and prompt scoring), and the
-backend's methods that use them or change its LoRA adapters."""
+backend's methods that use them or change its LoRA adapters.
+
+Every ``llama_decode`` of a model runs on its scheduler thread, side contexts' too (``SideOps._on_scheduler``):
+llama.cpp computes with an OpenMP team per calling thread, and once a second long-lived thread owns a team, libgomp
+counts more threads than cores and stops spinning at barriers for every team, so generation ran at a third of its
+speed for the rest of the process (measured: 105 -> 32 tokens/s after one embeddings call from a worker thread).
+"""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 
-from modules.errors import InvalidRequest
+from modules.errors import InvalidRequest, ModelLoadError
 from modules.loaders import llama_cpp_lora
 
 if TYPE_CHECKING:
     from modules.loaders.llama_cpp import LlamaCppBackend
+
+T = TypeVar("T")
+Run = Callable[[Callable[[], Any]], Any]  # runs a function on the scheduler thread and returns its result
+
+
+@dataclass
+class Task:
+    """A function the scheduler thread runs between steps, with its outcome for the waiting caller."""
+
+    run: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    result: Any = None
 
 
 def default_threads() -> int:
@@ -32,10 +54,18 @@ def default_threads() -> int:
 
 
 class SideContext:
-    """A lazily created context with its own lock; LoRA adapters follow the main context's."""
+    """A lazily created context; its work runs through ``run`` (on the scheduler thread), one decode per call, so
+    generation steps go on between them. LoRA adapters follow the main context's."""
 
     def __init__(
-        self, model: LlamaModel, n_ctx: int, n_batch: int, threads: int, embeddings: bool, flash_attn: int = -1
+        self,
+        model: LlamaModel,
+        n_ctx: int,
+        n_batch: int,
+        threads: int,
+        embeddings: bool,
+        flash_attn: int = -1,
+        run: Run = lambda fn: fn(),
     ) -> None:
         self.model, self.n_ctx, self.n_batch, self.threads, self.embeddings = (
             model,
@@ -45,16 +75,19 @@ class SideContext:
             embeddings,
         )
         self.flash_attn = flash_attn  # as the main context's, so scores match what generation samples from
-        self.lock = threading.Lock()
+        self.run = run
+        self.lock = threading.Lock()  # one scoring call at a time (its chunks share the context's cache)
+        self.version = 0  # bumped when the adapters change, so a scoring call that spans a change starts again
         self._ctx: LlamaContext | None = None
+        self._batch: LlamaBatch | None = None
         self._adapters: list[tuple[Any, float]] = []
 
-    def context(self) -> LlamaContext:
-        """The context (created on first use)."""
+    def context(self) -> tuple[LlamaContext, LlamaBatch]:
+        """The context and its batch (created on first use, on the scheduler thread)."""
         if self._ctx is None:
             params = llama_cpp.llama_context_default_params()
             params.n_ctx, params.n_seq_max = self.n_ctx, 1
-            params.n_batch = params.n_ubatch = self.n_ctx if self.embeddings else self.n_batch
+            params.n_batch = params.n_ubatch = self.n_ctx if self.embeddings else self.n_batch  # pooling: one ubatch
             params.n_threads = params.n_threads_batch = self.threads
             params.no_perf = True
             params.flash_attn_type = self.flash_attn
@@ -63,7 +96,10 @@ class SideContext:
                 params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
             self._ctx = LlamaContext(model=self.model, params=params, verbose=False)
             self._set_adapters()
-        return self._ctx
+        if self._batch is None:
+            size = self.n_ctx if self.embeddings else self.n_batch
+            self._batch = LlamaBatch(n_tokens=size, embd=0, n_seq_max=1, verbose=False)
+        return self._ctx, self._batch
 
     def _set_adapters(self) -> None:
         if self._ctx is None:
@@ -74,67 +110,66 @@ class SideContext:
         llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, len(items), scales)
 
     def set_adapters(self, adapters: list[tuple[Any, float]]) -> None:
-        """Use these LoRA adapters (with scales) from now on."""
-        with self.lock:
-            self._adapters = list(adapters)
-            self._set_adapters()
+        """Use these LoRA adapters (with scales) from now on (scheduler thread, or before the context exists)."""
+        self._adapters = list(adapters)
+        self.version += 1
+        self._set_adapters()
 
     def close(self) -> None:
-        """Free the context."""
-        with self.lock:
-            if self._ctx is not None:
-                self._ctx.close()
-                self._ctx = None
+        """Free the context (once the scheduler has stopped)."""
+        for obj in (self._batch, self._ctx):
+            if obj is not None:
+                obj.close()
+        self._batch = self._ctx = None
 
     def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
         """One mean-pooled, L2-normalised vector per token list."""
-        with self.lock:
-            ctx = self.context()
-            batch = LlamaBatch(n_tokens=self.n_ctx, embd=0, n_seq_max=1, verbose=False)
-            vectors = []
-            try:
-                for i, tokens in enumerate(token_lists):
-                    if len(tokens) > self.n_ctx:  # never cut silently
-                        raise InvalidRequest(
-                            f"input[{i}] has {len(tokens)} tokens; at most {self.n_ctx} fit", param="input"
-                        )
-                    ctx.kv_cache_clear()
-                    batch.reset()
-                    batch.add_sequence(tokens, 0, logits_all=True)
-                    if llama_cpp.llama_decode(ctx.ctx, batch.batch) != 0:
-                        raise RuntimeError("llama_decode failed while embedding")
-                    pointer = llama_cpp.llama_get_embeddings_seq(ctx.ctx, 0)
-                    vector = np.ctypeslib.as_array(pointer, shape=(self.model.n_embd(),)).astype(np.float64)
-                    vectors.append((vector / (float(np.linalg.norm(vector)) or 1.0)).tolist())
-            finally:
-                batch.close()
-            return vectors
+        for i, tokens in enumerate(token_lists):
+            if len(tokens) > self.n_ctx:  # never cut silently
+                raise InvalidRequest(f"input[{i}] has {len(tokens)} tokens; at most {self.n_ctx} fit", param="input")
+        return [cast("list[float]", self.run(functools.partial(self._embed_one, tokens))) for tokens in token_lists]
+
+    def _embed_one(self, tokens: list[int]) -> list[float]:
+        ctx, batch = self.context()
+        ctx.kv_cache_clear()
+        batch.reset()
+        batch.add_sequence(tokens, 0, logits_all=True)
+        if llama_cpp.llama_decode(ctx.ctx, batch.batch) != 0:
+            raise RuntimeError("llama_decode failed while embedding")
+        pointer = llama_cpp.llama_get_embeddings_seq(ctx.ctx, 0)
+        vector = np.ctypeslib.as_array(pointer, shape=(self.model.n_embd(),)).astype(np.float64)
+        return cast("list[float]", (vector / (float(np.linalg.norm(vector)) or 1.0)).tolist())
 
     def log_softmax_rows(self, prompt_ids: list[int], rows: set[int], n_vocab: int) -> dict[int, np.ndarray]:
         """Log-probability rows (the next-token distribution) at some positions of the prompt."""
-        out: dict[int, np.ndarray] = {}
         with self.lock:
-            ctx = self.context()
-            ctx.kv_cache_clear()
-            holder = LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
-            try:
-                batch = holder.batch
+            while True:
+                version = self.version
+                out: dict[int, np.ndarray] = {}
                 for start in range(0, len(prompt_ids), self.n_batch):
                     chunk = prompt_ids[start : start + self.n_batch]
-                    for j, token in enumerate(chunk):
-                        batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
-                        batch.seq_id[j][0], batch.logits[j] = 0, (start + j) in rows
-                    batch.n_tokens = len(chunk)
-                    if llama_cpp.llama_decode(ctx.ctx, batch) != 0:
-                        raise RuntimeError("llama_decode failed while scoring")
-                    for j in range(len(chunk)):
-                        if start + j in rows:
-                            logits = llama_cpp.llama_get_logits_ith(ctx.ctx, j)
-                            row = np.ctypeslib.as_array(logits, shape=(n_vocab,)).astype(np.float64)
-                            top = float(row.max())
-                            out[start + j] = row - (top + math.log(float(np.exp(row - top).sum())))
-            finally:
-                holder.close()
+                    out.update(self.run(functools.partial(self._score_chunk, start, chunk, rows, n_vocab)))
+                if version == self.version:
+                    return out
+
+    def _score_chunk(self, start: int, chunk: list[int], rows: set[int], n_vocab: int) -> dict[int, np.ndarray]:
+        ctx, holder = self.context()
+        if start == 0:
+            ctx.kv_cache_clear()
+        batch = holder.batch
+        for j, token in enumerate(chunk):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
+            batch.seq_id[j][0], batch.logits[j] = 0, (start + j) in rows
+        batch.n_tokens = len(chunk)
+        if llama_cpp.llama_decode(ctx.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed while scoring")
+        out: dict[int, np.ndarray] = {}
+        for j in range(len(chunk)):
+            if start + j in rows:
+                row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, j), shape=(n_vocab,))
+                row = row.astype(np.float64)
+                top = float(row.max())
+                out[start + j] = row - (top + math.log(float(np.exp(row - top).sum())))
         return out
 
 
@@ -147,6 +182,9 @@ class SideOps:
     _flash_attn: int
     _ctx: Any
     _cv: threading.Condition
+    _running: bool
+    _thread: threading.Thread | None
+    _tasks: list[Task]
     _options: dict[str, Any]
     _sides: dict[str, SideContext]
     _loras: dict[str, tuple[Any, float]]
@@ -178,10 +216,30 @@ class SideOps:
             key = "embed" if embeddings else "score"
             if key not in self._sides:
                 threads = int(self._options.get("threads") or default_threads())
-                side = SideContext(model, self._n_ctx, self._n_batch, threads, embeddings, self._flash_attn)
+                side = SideContext(
+                    model, self._n_ctx, self._n_batch, threads, embeddings, self._flash_attn, self._on_scheduler
+                )
                 side.set_adapters(list(self._loras.values()))
                 self._sides[key] = side
             return self._sides[key]
+
+    def _on_scheduler(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the scheduler thread between two steps, wait for it, and return its result (or raise what
+        it raised). On the scheduler thread itself, just call it."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        task = Task(fn)
+        with self._cv:
+            if not self._running or self._thread is None or not self._thread.is_alive():
+                raise ModelLoadError("the model has been unloaded")
+            self._tasks.append(task)
+            self._cv.notify_all()
+        while not task.done.wait(0.5):
+            if self._thread is None or not self._thread.is_alive():
+                raise RuntimeError("the llama.cpp scheduler stopped")
+        if task.error is not None:
+            raise task.error
+        return cast(T, task.result)
 
     def fim_tokens(self) -> tuple[int, int, int] | None:
         vocab = self._require_model().vocab

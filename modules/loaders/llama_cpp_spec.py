@@ -234,15 +234,19 @@ class Speculator:
         if wanted and self.draft_model is not None:
             by_seq = {item.seq_id: item.state for item in work}
             try:
-                drafts = self.draft_model.draft(wanted)
+                drafts = self.draft_model.draft(wanted, CATCH_UP if len(work) > 1 else CATCH_UP_ALONE)
             except Exception:  # the target's step goes on without drafts
                 log.exception("the draft model failed; this step runs without drafts")
                 drafts = {}
                 for seq_id, _, k in wanted:
                     by_seq[seq_id].drafted -= k
                     self.drafted -= k
-            for seq_id, tokens in drafts.items():
-                by_seq[seq_id].draft = tokens
+            for seq_id, _, k in wanted:
+                if seq_id in drafts:
+                    by_seq[seq_id].draft = drafts[seq_id]
+                else:  # still catching up with its prompt
+                    by_seq[seq_id].drafted -= k
+                    self.drafted -= k
         return total
 
     def confirmed(self, state: SpecState) -> None:
@@ -254,6 +258,10 @@ class Speculator:
         if self.draft_model is not None:
             self.draft_model.close()
             self.draft_model = None
+
+
+CATCH_UP = 128  # prompt tokens the draft model reads per step while other sequences decode (as the target's prefill)
+CATCH_UP_ALONE = 512
 
 
 class DraftModel:
@@ -325,9 +333,11 @@ class DraftModel:
         logits = llama_cpp.llama_get_logits_ith(self.ctx.ctx, row)
         return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,))[: self.usable].argmax())
 
-    def draft(self, wanted: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+    def draft(self, wanted: list[tuple[int, list[int], int]], budget: int = CATCH_UP_ALONE) -> dict[int, list[int]]:
         """For each (seq_id, tokens so far, k): k greedy tokens after ``tokens``. Each sequence catches up alone
-        (its new tokens, in chunks; its first guess read from its own last chunk), then all step together."""
+        (its new tokens, in chunks; its first guess read from its own last chunk), then all step together. At most
+        ``budget`` tokens of catching up per call (a long prompt would freeze the other streams): a sequence that
+        is not caught up yet gets no draft this time."""
         out: dict[int, list[int]] = {}
         limits = {seq: k for seq, _, k in wanted}
         try:
@@ -338,6 +348,12 @@ class DraftModel:
                     self.ctx.kv_cache_seq_rm(seq, keep, -1)
                     del held[keep:]
                 rest, row = tokens[keep:], 0
+                if len(rest) > budget:
+                    if budget > 0:
+                        self._decode([(t, keep + j, seq, False) for j, t in enumerate(rest[:budget])])
+                    budget = 0
+                    continue
+                budget -= len(rest)
                 for start in range(0, len(rest), 512):
                     chunk = rest[start : start + 512]
                     last = start + len(chunk) == len(rest)
@@ -378,12 +394,27 @@ def start_speculation(
         return None
     draft = None
     if options.get("draft_model"):
-        path = Path(options["draft_model"])
+        path = draft_path(options["draft_model"])
         draft = DraftModel(path, target, n_ctx, parallel, threads, flash_attn, model_params)
     log.info(
-        "Speculative decoding on (%s)", f"draft model {Path(options['draft_model']).name}" if draft else "prompt lookup"
+        "Speculative decoding on (%s)",
+        f"draft model {draft_path(options['draft_model']).name}" if draft else "prompt lookup",
     )
     return Speculator(StepCost(), int(options.get("draft_max") or 16), draft)
+
+
+def draft_path(value: str | Path) -> Path:
+    """The draft model's file: as given, else a file or the first GGUF of a folder of that name under models/."""
+    path = Path(value).expanduser()
+    if not path.is_absolute() and not path.exists():
+        from modules import shared
+
+        path = shared.models_dir() / path
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+    return path
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

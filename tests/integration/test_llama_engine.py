@@ -291,6 +291,48 @@ def test_embeddings_mode(with_default_model: Path) -> None:
     assert refused.value.param == "input"
 
 
+def test_side_contexts_decode_on_the_scheduler_thread(
+    with_default_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Embeddings and scoring called from other threads, during a generation, decode on the scheduler's thread
+    (a second thread with an OpenMP team slows every later step ~3x) and give what they give alone."""
+    import llama_cpp
+
+    backend = load(n_batch=32)
+    ids = chat_ids(backend, "Write a short story about a lighthouse keeper.")
+    long_prompt = chat_ids(backend, "Tell me about the history of lighthouses, their keepers and their lamps. " * 4)
+    assert len(long_prompt) > 2 * 32  # scored in several chunks
+    params = GenerationParams(temperature=0, max_new_tokens=48, ban_eos=True)
+    alone_reply = token_ids(backend, ids, params)
+    alone_scores = backend.score(long_prompt, top=3)
+    alone_vectors = backend.embed(["The cat sat on the mat.", "Quarterly revenue grew."])
+    callers: set[int] = set()
+    original = llama_cpp.llama_decode
+
+    def recording(ctx: object, batch: object) -> int:
+        callers.add(threading.get_ident())
+        return int(original(ctx, batch))
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", recording)
+    results: dict[str, object] = {}
+    workers = [
+        threading.Thread(target=lambda: results.__setitem__("reply", token_ids(backend, ids, params))),
+        threading.Thread(target=lambda: results.__setitem__("scores", backend.score(long_prompt, top=3))),
+        threading.Thread(target=lambda: results.__setitem__("scores2", backend.score(long_prompt, top=3))),
+        threading.Thread(target=lambda: results.__setitem__("vectors", backend.embed(["The cat sat on the mat.",
+                                                                                      "Quarterly revenue grew."]))),
+    ]  # fmt: skip
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    scheduler = backend._thread  # type: ignore[attr-defined]
+    assert scheduler is not None and callers == {scheduler.ident}
+    assert results["reply"] == alone_reply
+    assert results["scores"] == alone_scores and results["scores2"] == alone_scores  # chunks of one call together
+    assert np.allclose(results["vectors"], alone_vectors, atol=1e-6)  # type: ignore[arg-type]
+
+
 def make_lora(path: Path, scale: float = 4.0) -> Path:
     """A random rank-4 PEFT LoRA on q, v and up of SmolLM2-135M, as a GGUF by llama.cpp's own converter."""
     from safetensors.numpy import save_file

@@ -214,13 +214,36 @@ def test_draft_model_output_is_the_target_model_s(plain: LlamaCppBackend, tmp_pa
         # the drafter itself, for two sequences at once, one longer than its 512-token chunk: each gets the
         # greedy continuation (the draft is the target model, so it must guess the target's tokens)
         assert backend._spec is not None and backend._spec.draft_model is not None
-        drafts = backend._spec.draft_model.draft([(0, long, 3), (1, story, 3)])
+        drafter = backend._spec.draft_model
+        drafts = drafter.draft([(0, long, 3), (1, story, 3)], budget=10_000)
         assert drafts[0] == tokens(events(plain, long, params))[:3]
         assert drafts[1] == tokens(got)[:3]
+        # a long prompt is read a budget at a time (the other streams' steps go on meanwhile), then drafted for
+        drafter.forget(0)
+        for calls in range(1, 10):
+            drafts = drafter.draft([(0, long, 3)], budget=200)
+            if drafts:
+                break
+            assert len(drafter.tokens[0]) == 200 * calls
+        assert calls == -(-(len(long) - 1 - 200) // 200) + 1 and drafts[0] == tokens(events(plain, long, params))[:3]
     finally:
         backend.unload()
     with pytest.raises(Exception, match="draft model"):
         LlamaCppBackend.load(default_model_path(), {"draft_model": str(tmp_path / "missing.gguf")})
+
+
+def test_a_draft_model_named_alone_is_found_under_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from modules import shared
+    from modules.loaders.llama_cpp_spec import draft_path
+
+    (tmp_path / "small.gguf").write_bytes(b"GGUF")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "b.gguf").write_bytes(b"GGUF")
+    monkeypatch.setattr(shared, "models_dir", lambda: tmp_path)
+    assert draft_path("small.gguf") == tmp_path / "small.gguf"
+    assert draft_path("folder") == tmp_path / "folder" / "b.gguf"
+    assert draft_path(tmp_path / "small.gguf") == tmp_path / "small.gguf"
+    assert draft_path("absent.gguf") == tmp_path / "absent.gguf"  # the load then says it is missing
 
 
 # ---------------------------------------------------------------- the drafter and the policy, without a model
