@@ -516,8 +516,8 @@ class LlamaCppBackend(SideOps, Backend):
         started = time.perf_counter()
         with self._decode_lock:
             code = llama_cpp.llama_decode(self._ctx.ctx, batch)
-        if self._spec is not None and code == 0 and n == decoded:  # a step that fed no prompt
-            self._spec.cost.observe(n, time.perf_counter() - started)
+        if self._spec is not None and code == 0:
+            self._spec.cost.step(n, time.perf_counter() - started, pure=n == decoded)  # pure: fed no prompt
         self._stats["steps"] += 1
         if code != 0:
             raise RuntimeError(f"llama_decode returned {code}")

@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 
 MAX_NGRAM = 4  # longest suffix looked up
 MAX_DEPTH = 64  # longest draft (the --draft-max bound)
-PRIOR_WEIGHT = 2.0  # pseudo-counts a request's acceptance starts from
+PRIOR_WEIGHT = 1.0  # pseudo-counts a request's acceptance starts from
 PRIOR_FIRST = 0.35  # the first depth's prior: below what pays, so drafting starts once undrafted candidates held
 PROBE_EVERY = 16  # a draft model that stopped paying drafts one token this often, to notice when it pays again
-DECAY = 0.95  # older verifications weigh less, so a change of text (prose after a copied block) is followed
+DECAY = 0.9  # older verifications weigh less, so a change of text (prose after a copied block) is followed
 
 
 class NgramIndex:
@@ -122,26 +122,37 @@ class SpecState:
 
 
 def best_length(
-    rates: float | list[float], limit: int, step_tokens: float, step_time: float, per_token: float
+    rates: float | list[float],
+    limit: int,
+    step_tokens: float,
+    step_time: float,
+    per_token: float,
+    switch: tuple[int, int, float] = (0, 0, 0.0),
 ) -> tuple[int, float]:
     """The draft length (0..limit) that most raises the step's tokens per second, 0 when none does, and the
     draft tokens it is expected to yield. ``rates``: the chance each depth holds given the ones before did (one
-    number: the same at every depth)."""
+    number: the same at every depth). ``switch``: (tokens in the step so far, tokens in the last step, the cost of
+    a step of another size than the last): llama.cpp reuses the last step's compute graph only for a step of the
+    same size, so a draft that changes the size pays for a new graph."""
+    size, last, penalty = switch
     depth_rates = [rates] * limit if isinstance(rates, float) else rates[:limit]
-    best, best_gain, best_speed = 0, 0.0, step_tokens / step_time
+    best, best_gain = 0, 0.0
+    best_speed = step_tokens / (step_time + (penalty if size != last else 0.0))
     reach, gain = 1.0, 0.0
     for k, rate in enumerate(depth_rates, start=1):
         reach *= rate  # the chance all of the first k hold
         gain += reach
-        speed = (step_tokens + gain) / (step_time + per_token * k)
+        speed = (step_tokens + gain) / (step_time + per_token * k + (penalty if size + k != last else 0.0))
         if speed > best_speed * 1.001:
             best, best_gain, best_speed = k, gain, speed
     return best, best_gain
 
 
 class StepCost:
-    """Step time ``base + per_token * tokens`` in seconds, fitted to the scheduler's own decode steps (a decayed
-    least-squares line; steps that feed a prompt are not counted).
+    """Step time ``base + per_token * tokens``, plus ``switch`` for a step of another size than the one before
+    (llama.cpp then builds a new compute graph: ~2.2 ms here, a fifth of a one-token step), in seconds, fitted to
+    the scheduler's own decode steps (a decayed least-squares line on times less the switch cost, and the switch
+    cost from what steps of a new size took beyond the line; steps that feed a prompt are not counted).
 
     Until the steps vary enough to fit a slope, the line keeps the shape measured for small models on a CPU
     (``base`` = 1.3 ``per_token``) through the steps' mean. There are no calibration decodes at load time: a
@@ -153,13 +164,30 @@ class StepCost:
 
     def __init__(self, base: float = 0.0065, per_token: float = 0.005) -> None:
         self.base, self.per_token = base, per_token
+        self.switch = 0.0
+        self.last = 0  # tokens in the last step
         self._sums = [0.0] * 5  # weight, tokens, seconds, tokens^2, tokens*seconds
+        self._residual = [[0.0, 0.0], [0.0, 0.0]]  # [same size, new size]: decayed (weight, sum of time - line)
 
     def time(self, tokens: int) -> float:
         return self.base + self.per_token * tokens
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """Count one decode step of ``tokens`` tokens that took ``seconds``."""
+    def step(self, tokens: int, seconds: float, pure: bool = True) -> None:
+        """Count one decode step of ``tokens`` tokens that took ``seconds`` (``pure``: it fed no prompt)."""
+        changed = tokens != self.last
+        self.last = tokens
+        if pure:
+            self.observe(tokens, seconds, changed)
+
+    def observe(self, tokens: int, seconds: float, changed: bool = False) -> None:
+        """Fit one decode step of ``tokens`` tokens that took ``seconds`` (``changed``: another size than the last)."""
+        residual = self._residual[int(changed)]
+        residual[0] = residual[0] * self.DECAY + 1.0
+        residual[1] = residual[1] * self.DECAY + seconds - self.time(tokens)
+        same, new = self._residual
+        if same[0] > 0.5 and new[0] > 0.5:
+            self.switch = max(0.0, new[1] / new[0] - same[1] / same[0])
+        seconds -= self.switch if changed else 0.0
         sums = [x * self.DECAY for x in self._sums]
         for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             sums[i] += value
@@ -213,7 +241,8 @@ class Speculator:
                     continue
                 limit = len(candidate)
             rates = state.acceptance.setdefault(state.source, Acceptance()).rates(limit)
-            k, gain = best_length(rates, limit, step_tokens, step_time, per_token)
+            switch = (len(work) + total, self.cost.last, self.cost.switch)
+            k, gain = best_length(rates, limit, step_tokens, step_time, per_token, switch)
             if k == 0 and candidate is None:  # a draft model's guess is not free to check: probe now and then
                 state.idle += 1
                 if state.idle >= PROBE_EVERY:

@@ -275,6 +275,28 @@ def test_draft_length_follows_acceptance_and_busy_slots() -> None:
     assert rate.rate() > 0.75 and rate.rate(7) > 0.9  # it recovers when the text turns to copying
 
 
+def test_a_step_of_a_new_size_costs_a_graph_and_drafts_keep_their_size() -> None:
+    # llama.cpp reuses the last compute graph only for a step of the same size: the cost line learns what a new
+    # size costs on top (here 2.2 ms) from the steps themselves
+    cost = StepCost()
+    for i in range(400):
+        tokens = [1, 1, 4, 4, 4, 2, 1, 5, 5][i % 9]
+        cost.step(tokens, 0.0063 + 0.0041 * tokens + (0.0022 if tokens != cost.last else 0.0))
+    assert abs(cost.switch - 0.0022) < 2e-4 and abs(cost.per_token - 0.0041) < 2e-4, (cost.switch, cost.per_token)
+    assert abs(cost.base - 0.0063) < 3e-4
+    cost.step(9, 1.0, pure=False)  # a step that fed a prompt: only its size is kept
+    assert cost.last == 9 and abs(cost.per_token - 0.0041) < 2e-4
+    # a draft length that keeps the step's size wins over a slightly better one that changes it
+    rates = [0.6] * 16
+    free = best_length(rates, 16, 1, 0.0104, 0.0041)[0]
+    kept = best_length(rates, 16, 1, 0.0104, 0.0041, switch=(1, 1 + free + 1, 0.0022))[0]
+    assert kept == free + 1
+    half = [0.5] * 16
+    assert best_length(half, 16, 1, 0.0104, 0.0041)[0] == 1
+    assert best_length(half, 16, 1, 0.0104, 0.0041, switch=(1, 3, 0.0022))[0] == 2  # the last step's size
+    assert best_length(half, 16, 1, 0.0104, 0.0041, switch=(1, 1, 0.0022))[0] == 0
+
+
 def test_an_undrafted_candidate_still_teaches_the_rate() -> None:
     state = SpecState(index=NgramIndex([1, 2, 3, 9, 1, 2]))
     state.acceptance[2] = Acceptance()
