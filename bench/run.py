@@ -39,7 +39,20 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 f"{r['raw_tokens_per_s']:.1f} (Llama.create_completion)",
                 f"{r['ratio']:.3f}",
                 r["target"],
-            )
+            ),
+            *(
+                [
+                    (
+                        "1 stream after an embeddings and a logits request",
+                        f"{r['after_embeddings_and_logits_tokens_per_s']:.1f}",
+                        f"{r['raw_tokens_per_s']:.1f} (Llama.create_completion)",
+                        f"{r['after_embeddings_and_logits_ratio']:.3f}",
+                        "as the row above",
+                    )
+                ]
+                if "after_embeddings_and_logits_ratio" in r
+                else []
+            ),
         ]
     if name == "concurrency":
         ours, peer = r["textgen"], r["llama_cpp_server"]
