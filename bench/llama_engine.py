@@ -278,7 +278,7 @@ def _similarity(reply: str, given: str) -> float:
     return round(difflib.SequenceMatcher(None, reply[: len(given)], given).ratio(), 3)
 
 
-def speculative(rounds: int = 3) -> dict[str, Any]:
+def speculative(rounds: int = 4) -> dict[str, Any]:
     """1. input-grounded stream (correct the typos of a ~330-token text, greedy, 256 tokens): textgen's API with
     speculation vs raw ``Llama.create_completion`` and vs llama-cpp-python with ``LlamaPromptLookupDecoding``,
     same tokens out; the same for a ~400-token code file to rewrite (for the record: the default model writes other
@@ -319,8 +319,8 @@ def speculative(rounds: int = 3) -> dict[str, Any]:
         stream_completion(on.url, {**code, "max_tokens": 8})
         for url in (on.url, off.url):
             stream_completion(url, {**body, "max_tokens": 8})
-        for _ in range(rounds):
-            for step in (
+        for round_ in range(rounds):
+            steps = (
                 lambda: local(raw, "raw"),
                 lambda: local(pld, "pld"),
                 lambda: remote(on.url, body, "ours"),
@@ -329,7 +329,8 @@ def speculative(rounds: int = 3) -> dict[str, Any]:
                 lambda: remote(on.url, code, "code_ours"),
                 lambda: remote(on.url, story, "story_on"),
                 lambda: remote(off.url, story, "story_off"),
-            ):
+            )
+            for step in steps if round_ % 2 == 0 else steps[::-1]:  # each pair in both orders: this machine drifts
                 time.sleep(0.3)
                 step()
         metrics = httpx.get(on.url + "/metrics", timeout=10).text

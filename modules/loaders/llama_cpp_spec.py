@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 
 MAX_NGRAM = 4  # longest suffix looked up
 MAX_DEPTH = 64  # longest draft (the --draft-max bound)
-PRIOR_WEIGHT = 1.0  # pseudo-counts a request's acceptance starts from
+PRIOR_WEIGHT = 2.0  # pseudo-counts a request's acceptance starts from
 PRIOR_FIRST = 0.35  # the first depth's prior: below what pays, so drafting starts once undrafted candidates held
 PROBE_EVERY = 16  # a draft model that stopped paying drafts one token this often, to notice when it pays again
-DECAY = 0.9  # older verifications weigh less, so a change of text (prose after a copied block) is followed
+DECAY = 0.95  # older verifications weigh less, so a change of text (prose after a copied block) is followed
 
 
 class NgramIndex:
