@@ -93,6 +93,15 @@ class StreamResult:
     tokens: int
     text: str = ""
     chunk_times: list[float] = field(default_factory=list)  # when each chunk with text came
+    chunk_chars: list[int] = field(default_factory=list)  # and how much text it brought
+
+    def tokens_between(self, low: float, high: float) -> float:
+        """Tokens that came in (low, high]: the chunks there when each brought one, else the usage count
+        shared out by text length (a chunk carries every token that arrived together)."""
+        inside = [c for t, c in zip(self.chunk_times, self.chunk_chars, strict=True) if low < t <= high]
+        if self.tokens == len(self.chunk_times) or not sum(self.chunk_chars):
+            return float(len(inside))
+        return self.tokens * sum(inside) / sum(self.chunk_chars)
 
     @property
     def ttft(self) -> float:
@@ -108,6 +117,7 @@ def stream_completion(url: str, body: dict[str, Any], timeout: float = 300) -> S
     usage = 0
     text: list[str] = []
     times: list[float] = []
+    chars: list[int] = []
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -120,10 +130,11 @@ def stream_completion(url: str, body: dict[str, Any], timeout: float = 300) -> S
                 tokens += 1
                 text.append(data["choices"][0]["text"])
                 times.append(time.perf_counter())
+                chars.append(len(text[-1]))
                 if not first:
                     first = time.perf_counter()
     return StreamResult(
-        started, first or time.perf_counter(), time.perf_counter(), usage or tokens, "".join(text), times
+        started, first or time.perf_counter(), time.perf_counter(), usage or tokens, "".join(text), times, chars
     )
 
 

@@ -102,7 +102,7 @@ def _concurrent(url: str, clients: int, usage: bool = True) -> dict[str, float]:
     tokens = sum(r.tokens for r in results)
     # decode phase: while every stream has had its first token and none has ended (what raw decode measures)
     low, high = max(r.first_token for r in results), min(r.ended for r in results)
-    in_window = sum(low < t <= high for r in results for t in r.chunk_times)
+    in_window = sum(r.tokens_between(low, high) for r in results)
     return {
         "tokens": tokens,
         "seconds": end - start,

@@ -445,7 +445,9 @@ DISCONNECT_CHECK_S = 0.25  # how often a non-streaming request looks for its cli
 
 
 async def merge(running: Running, request: Request | None = None) -> AsyncIterator[Item]:
-    """Yield the deltas of every running generation as they come, interleaved.
+    """Yield the deltas of every running generation as they come, interleaved: whatever has arrived when the
+    consumer gets to it becomes one delta per choice (a speculative step brings several tokens at once, and one
+    chunk costs a JSON encoding and a socket write however many tokens it carries).
 
     Leaving the loop (a streaming client that disconnects), or a non-streaming ``request`` whose client goes
     away, cancels them all within one step.
@@ -468,30 +470,56 @@ async def merge(running: Running, request: Request | None = None) -> AsyncIterat
                         return
                 if tag < 0:
                     continue
-            builder = running.builders[tag]
-            if builder.done:
+            if event is None:
                 continue
-            if isinstance(event, BaseException):
-                builder.done = True
-                remaining -= 1
-                yield Item(tag, error=event)
-                continue
-            try:
-                deltas = list(builder.feed(event))
-            except Exception as exc:  # a bug building deltas ends this choice with an error event, not a cut stream
-                log.exception("building a delta failed")
-                builder.done = True
-                remaining -= 1
-                running.cancels[tag].set()
-                yield Item(tag, error=exc)
-                continue
-            for delta in deltas:
-                yield Item(tag, delta)
-            if builder.done:
-                running.cancels[tag].set()  # a stop string ended it: free the slot
-                remaining -= 1
+            arrived = [(tag, event)]
+            while not running.queue.empty():
+                arrived.append(running.queue.get_nowait())
+            deltas: dict[int, list[Delta]] = {}
+            for tag, event in arrived:
+                if running.builders[tag].done:
+                    continue
+                parts = deltas.setdefault(tag, [])
+                failed = _feed(running, tag, event, parts)
+                if failed is not None:  # this choice ends with an error; what it made before goes first
+                    if parts:
+                        yield Item(tag, _joined(parts))
+                    del deltas[tag]
+                    remaining -= 1
+                    yield failed
+                elif running.builders[tag].done:  # finished (or a stop string ended it): free the slot
+                    running.cancels[tag].set()
+                    remaining -= 1
+            for tag, parts in deltas.items():
+                if parts:
+                    yield Item(tag, _joined(parts))
     finally:
         running.cancel()
+
+
+def _feed(running: Running, tag: int, event: TokenEvent | BaseException, out: list[Delta]) -> Item | None:
+    """Feed one event to choice ``tag``'s builder, adding its deltas to ``out``; an error Item when it failed."""
+    builder = running.builders[tag]
+    if builder.done:
+        return None
+    if isinstance(event, BaseException):
+        builder.done = True
+        return Item(tag, error=event)
+    try:
+        out.extend(builder.feed(event))
+    except Exception as exc:  # a bug building deltas ends this choice with an error event, not a cut stream
+        log.exception("building a delta failed")
+        builder.done = True
+        running.cancels[tag].set()
+        return Item(tag, error=exc)
+    return None
+
+
+def _joined(parts: list[Delta]) -> Delta:
+    """Consecutive deltas of one choice as one: their text, their tokens, the last one's stats."""
+    if len(parts) == 1:
+        return parts[0]
+    return Delta("".join(d.text for d in parts), [t for d in parts for t in d.tokens], parts[-1].stats)
 
 
 def usage(stats: list[GenerationStats]) -> dict[str, int]:
