@@ -31,7 +31,8 @@ def single_stream(rounds: int = 7) -> dict[str, Any]:
 
     llm = Llama(str(MODEL), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, n_batch=512, verbose=False)
     bias = {int(k): float(v) for k, v in EOG_BIAS.items()}
-    body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "logit_bias": EOG_BIAS}
+    body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "logit_bias": EOG_BIAS,
+            "stream_options": {"include_usage": True}}  # fmt: skip  # a chunk carries the tokens that came together
     raw: list[float] = []
     ours: list[float] = []
     with textgen("--threads", str(THREADS)) as server:
