@@ -85,7 +85,7 @@ class Settings(BaseModel):
     draft_model: Path | None = Field(
         None,
         description="llama.cpp: a small GGUF of the same model family (same vocabulary) that drafts the tokens "
-        "speculative decoding checks, instead of prompt lookup.",
+        "speculative decoding checks, instead of prompt lookup: a path, or a file or folder name under models/.",
     )
     draft_max: int = Field(16, ge=1, le=64, description="llama.cpp: most draft tokens per sequence and step.")
     amx: bool = Field(

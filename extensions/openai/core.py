@@ -481,10 +481,11 @@ async def merge(running: Running, request: Request | None = None) -> AsyncIterat
                     continue
                 parts = deltas.setdefault(tag, [])
                 failed = _feed(running, tag, event, parts)
-                if failed is not None:  # this choice ends with an error; what it made before goes first
-                    if parts:
-                        yield Item(tag, _joined(parts))
-                    del deltas[tag]
+                if failed is not None:  # this choice ends with an error; what every choice made before goes first
+                    for earlier, made in deltas.items():
+                        if made:
+                            yield Item(earlier, _joined(made))
+                    deltas = {}
                     remaining -= 1
                     yield failed
                 elif running.builders[tag].done:  # finished (or a stop string ended it): free the slot

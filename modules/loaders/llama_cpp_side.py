@@ -236,6 +236,10 @@ class SideOps:
             self._cv.notify_all()
         while not task.done.wait(0.5):
             if self._thread is None or not self._thread.is_alive():
+                if task.done.is_set():
+                    break
+                if not self._running:
+                    raise ModelLoadError("the model has been unloaded")
                 raise RuntimeError("the llama.cpp scheduler stopped")
         if task.error is not None:
             raise task.error

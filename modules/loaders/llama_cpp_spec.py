@@ -273,9 +273,10 @@ class Speculator:
             for seq_id, _, k in wanted:
                 if seq_id in drafts:
                     by_seq[seq_id].draft = drafts[seq_id]
-                else:  # still catching up with its prompt
+                else:  # still catching up with its prompt: ask again next step, so the catching up goes on
                     by_seq[seq_id].drafted -= k
                     self.drafted -= k
+                    by_seq[seq_id].idle = PROBE_EVERY
         return total
 
     def confirmed(self, state: SpecState) -> None:
@@ -370,19 +371,23 @@ class DraftModel:
         out: dict[int, list[int]] = {}
         limits = {seq: k for seq, _, k in wanted}
         try:
+            behind = []
             for seq, tokens, _ in wanted:
                 held = self.tokens[seq]
                 keep = min(common_prefix(held, tokens), len(tokens) - 1)  # the last token is fed again for its logits
                 if keep < len(held):
                     self.ctx.kv_cache_seq_rm(seq, keep, -1)
                     del held[keep:]
-                rest, row = tokens[keep:], 0
+                behind.append((len(tokens) - keep, seq, keep, tokens[keep:]))
+            for _, seq, keep, rest in sorted(behind):  # the nearly caught up first: one long prompt waits alone
                 if len(rest) > budget:
-                    if budget > 0:
-                        self._decode([(t, keep + j, seq, False) for j, t in enumerate(rest[:budget])])
+                    for start in range(0, budget, 512):
+                        chunk = rest[start : min(start + 512, budget)]
+                        self._decode([(t, keep + start + j, seq, False) for j, t in enumerate(chunk)])
                     budget = 0
                     continue
                 budget -= len(rest)
+                row = 0
                 for start in range(0, len(rest), 512):
                     chunk = rest[start : start + 512]
                     last = start + len(chunk) == len(rest)
@@ -439,8 +444,8 @@ def draft_path(value: str | Path) -> Path:
         from modules import shared
 
         path = shared.models_dir() / path
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
+    if path.is_dir():  # not a vision projector (mmproj-*.gguf) that sorts first
+        ggufs = sorted(p for p in path.glob("*.gguf") if not p.name.lower().startswith("mmproj"))
         if ggufs:
             return ggufs[0]
     return path

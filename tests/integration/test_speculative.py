@@ -220,12 +220,14 @@ def test_draft_model_output_is_the_target_model_s(plain: LlamaCppBackend, tmp_pa
         assert drafts[1] == tokens(got)[:3]
         # a long prompt is read a budget at a time (the other streams' steps go on meanwhile), then drafted for
         drafter.forget(0)
+        drafts = drafter.draft([(0, long, 3), (1, story, 3)], budget=200)  # the nearly caught up one goes first
+        assert 0 not in drafts and drafts[1] == tokens(got)[:3] and len(drafter.tokens[0]) == 199  # 1 went to seq 1
         for calls in range(1, 10):
             drafts = drafter.draft([(0, long, 3)], budget=200)
             if drafts:
                 break
-            assert len(drafter.tokens[0]) == 200 * calls
-        assert calls == -(-(len(long) - 1 - 200) // 200) + 1 and drafts[0] == tokens(events(plain, long, params))[:3]
+            assert len(drafter.tokens[0]) == 199 + 200 * calls
+        assert calls == -(-(len(long) - 199 - 200) // 200) + 1 and drafts[0] == tokens(events(plain, long, params))[:3]
     finally:
         backend.unload()
     with pytest.raises(Exception, match="draft model"):

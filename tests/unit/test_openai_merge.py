@@ -74,3 +74,16 @@ def test_an_error_comes_after_what_the_choice_made_before_it() -> None:
     items = asyncio.run(go())
     assert items[0].delta is not None and items[0].delta.text == "partial"
     assert isinstance(items[1].error, RuntimeError) and len(items) == 2
+
+
+def test_with_several_choices_an_error_comes_after_the_others_deltas_that_arrived_before_it() -> None:
+    async def go() -> list[Item]:
+        run = running(2)
+        run.queue.put_nowait((1, token(5, "done")))
+        run.queue.put_nowait((1, TokenEvent(-1, b"", finish_reason="stop")))
+        run.queue.put_nowait((0, RuntimeError("generation failed")))
+        return await collect(run)
+
+    items = asyncio.run(go())
+    assert items[0].index == 1 and items[0].delta is not None and items[0].delta.stats is not None
+    assert items[1].index == 0 and isinstance(items[1].error, RuntimeError) and len(items) == 2
