@@ -501,8 +501,6 @@ async def merge(running: Running, request: Request | None = None) -> AsyncIterat
 def _feed(running: Running, tag: int, event: TokenEvent | BaseException, out: list[Delta]) -> Item | None:
     """Feed one event to choice ``tag``'s builder, adding its deltas to ``out``; an error Item when it failed."""
     builder = running.builders[tag]
-    if builder.done:
-        return None
     if isinstance(event, BaseException):
         builder.done = True
         return Item(tag, error=event)

@@ -107,7 +107,6 @@ class LlamaCppBackend(SideOps, Backend):
         self._slots: list[_Slot] = []
         self._waiting: collections.deque[_Request] = collections.deque()
         self._cv = threading.Condition()
-        self._decode_lock = threading.Lock()
         self._running = False
         self._thread: threading.Thread | None = None
         self._eog: list[int] = []
@@ -514,8 +513,7 @@ class LlamaCppBackend(SideOps, Backend):
             return
         batch.n_tokens = n
         started = time.perf_counter()
-        with self._decode_lock:
-            code = llama_cpp.llama_decode(self._ctx.ctx, batch)
+        code = llama_cpp.llama_decode(self._ctx.ctx, batch)
         if self._spec is not None and code == 0:
             self._spec.cost.step(n, time.perf_counter() - started, pure=n == decoded)  # pure: fed no prompt
         self._stats["steps"] += 1

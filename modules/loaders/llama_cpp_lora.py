@@ -87,8 +87,8 @@ def use_adapters(backend: LlamaCppBackend, loras: dict[str, tuple[Any, float]]) 
         sides = list(backend._sides.values())
     for side in sides:
         side.set_adapters(items)
-    with backend._decode_lock:
-        llama_cpp.llama_set_adapters_lora(backend._ctx.ctx, adapters, len(items), scales)
-        for slot in backend._slots:  # cached prefixes were computed with other weights
-            backend._ctx.kv_cache_seq_rm(slot.seq_id, 0, -1)
-            slot.tokens.clear()
+    # on the scheduler thread: no step is decoding now
+    llama_cpp.llama_set_adapters_lora(backend._ctx.ctx, adapters, len(items), scales)
+    for slot in backend._slots:  # cached prefixes were computed with other weights
+        backend._ctx.kv_cache_seq_rm(slot.seq_id, 0, -1)
+        slot.tokens.clear()
