@@ -1,4 +1,12 @@
-"""Per-request sampler chains for the llama.cpp backend, built from GenerationParams with llama.cpp's samplers."""
+"""Per-request samplers for the llama.cpp backend, built from GenerationParams.
+
+Most requests ask for greedy decoding or plain temperature sampling (with top-k, top-p or min-p): those are drawn
+in numpy straight from the logits row (``PlainSampler``). llama.cpp's chain copies the whole vocabulary into a
+candidate array for every token, 0.17 ms a row for greedy and 0.46 ms with temperature on a 49k vocabulary here,
+a fifth of a step's time for eight streams of a small model; numpy takes 0.01 and 0.09 ms. Everything else
+(penalties, DRY, typical, XTC, mirostat, dynamic temperature, a grammar, logprobs) uses llama.cpp's sampler chain,
+for the whole request.
+"""
 
 from __future__ import annotations
 
@@ -53,11 +61,15 @@ class RequestSampler:
     ) -> None:
         self.n_vocab = n_vocab
         self.params = params
-        self.chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        self.chain: Any = None
         self.grammar: Any = None
         self.eog_ban: Any = None  # applied while fewer than min_tokens have been generated
         self._keep: list[Any] = []  # ctypes buffers that must outlive the samplers
         self._candidates: np.ndarray | None = None
+        self.plain = PlainSampler(n_vocab, params, eog_tokens) if PlainSampler.fits(params, grammar) else None
+        if self.plain is not None:
+            return
+        self.chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         try:
             if grammar:
                 sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
@@ -152,6 +164,8 @@ class RequestSampler:
 
     def accept_prompt(self, tokens: list[int]) -> None:
         """Let the penalty samplers see the prompt (the grammar does not: it constrains the reply only)."""
+        if self.plain is not None:
+            return
         window = self.params.repetition_penalty_range or len(tokens)
         for token in tokens[-window:]:
             llama_cpp.llama_sampler_accept(self.chain, token)
@@ -164,6 +178,9 @@ class RequestSampler:
         Returns (token, logprob, top candidates) where the log probabilities (when asked for) come from
         the distribution the token was drawn from: after penalties, bias, temperature and truncation.
         """
+        if self.plain is not None:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
+            return self.plain.sample(logits, generated), None, None
         want = self.params.logprobs or self.params.top_logprobs > 0
         early = self.eog_ban is not None and generated < self.params.min_tokens
         if self.grammar is None and not want and not early:
@@ -217,6 +234,117 @@ class RequestSampler:
                 llama_cpp.llama_sampler_free(sampler)
                 setattr(self, name, None)
         self._keep.clear()
+
+
+class PlainSampler:
+    """Greedy, or temperature with top-k, top-p and min-p, in llama.cpp's order and with its rules (logit bias
+    first; temperature before the truncations, or after them with ``temperature_last``; top-k, then top-p, then
+    min-p; greedy takes the first of equal best), drawn from the logits row with numpy: one uniform number per
+    token from the request's own seeded generator, so a seed gives the same reply alone or batched."""
+
+    BLOCK = 1024  # the draw finds its block of the vocabulary first, then the token in it
+
+    @staticmethod
+    def fits(p: GenerationParams, grammar: str | None = None) -> bool:
+        """True when ``p`` asks for nothing beyond what this sampler does."""
+        if grammar or p.logprobs or p.top_logprobs > 0 or p.dry_multiplier > 0:
+            return False
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            return False
+        return p.greedy or (
+            not p.mirostat_mode and p.dynatemp_range <= 0 and p.typical_p >= 1.0 and p.xtc_probability <= 0
+        )
+
+    def __init__(self, n_vocab: int, p: GenerationParams, eog_tokens: list[int]) -> None:
+        self.p, self.n_vocab = p, n_vocab
+        bias = {int(k): float(v) for k, v in p.logit_bias.items() if 0 <= int(k) < n_vocab}
+        if p.ban_eos:
+            bias.update({t: -math.inf for t in eog_tokens})
+        self.bias_ids = np.array(list(bias), dtype=np.intp)
+        self.bias = np.array([-np.inf if v <= -100 else v for v in bias.values()], dtype=np.float32)
+        self.eog = np.array(eog_tokens, dtype=np.intp)
+        self.rng = np.random.Generator(np.random.PCG64(p.resolved_seed() & 0xFFFFFFFF))
+        self.row = np.empty(n_vocab, dtype=np.float32)
+        self.starts = np.arange(0, n_vocab, self.BLOCK)
+
+    def sample(self, logits: np.ndarray, generated: int = 0) -> int:
+        """The next token from one row of logits (``generated``: tokens so far, for min_tokens)."""
+        kept, weights = self.weights(logits, generated)
+        if kept is None:
+            return self._draw(weights)
+        if len(kept) == 1:  # greedy, or a truncation that left one token: no draw
+            return int(kept[0])
+        cumulative = np.cumsum(weights, dtype=np.float64)
+        i = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+        return int(kept[min(i, len(kept) - 1)])
+
+    def weights(self, logits: np.ndarray, generated: int = 0) -> tuple[np.ndarray | None, np.ndarray]:
+        """The tokens a draw may give and their unnormalised probabilities: (None, a weight per vocabulary
+        entry) when no truncation applies (the array is reused by the next call); greedy: just the best."""
+        p, x = self.p, self.row
+        np.copyto(x, logits)
+        if self.bias_ids.size:
+            x[self.bias_ids] += self.bias
+        if generated < p.min_tokens and self.eog.size:
+            x[self.eog] = -np.inf
+        best = int(x.argmax())  # the first of equal best, as llama.cpp's greedy sampler
+        top = float(x[best])
+        if not math.isfinite(top):
+            raise RuntimeError("the sampler chain selected no token")
+        if p.greedy:
+            return np.array([best]), np.ones(1)
+        # x becomes the logits the truncations see: less the best, over the temperature unless it comes last
+        x -= top
+        if not p.temperature_last:
+            x *= np.float32(1.0 / p.temperature)
+        final = 1.0 / p.temperature if p.temperature_last else 1.0  # what turns x into the drawn distribution
+        kept: np.ndarray | None = None  # token ids still in the running (None: the whole vocabulary)
+        if 0 < p.top_k < self.n_vocab:
+            kept = np.argpartition(x, self.n_vocab - p.top_k)[self.n_vocab - p.top_k :]
+        if p.top_p < 1.0:
+            kept = self._nucleus(x, kept, p.top_p)
+        if p.min_p > 0.0:
+            floor = math.log(p.min_p)
+            kept = np.flatnonzero(x >= floor) if kept is None else kept[x[kept] >= floor]
+        if kept is None:  # the whole vocabulary: exponentials in place
+            if final != 1.0:
+                x *= np.float32(final)
+            np.exp(x, out=x)
+            return None, x
+        return kept, np.exp(x[kept].astype(np.float64) * final)
+
+    @staticmethod
+    def _nucleus(x: np.ndarray, kept: np.ndarray | None, top_p: float) -> np.ndarray:
+        """The most likely tokens (of ``kept``) whose probabilities add up to ``top_p``, the one that crosses it
+        included. Only the most likely are sorted: the best 64, or 8 times more until they hold enough."""
+        ids = np.arange(len(x)) if kept is None else kept
+        weights = np.exp(x[ids])
+        target = top_p * float(weights.sum(dtype=np.float64))
+        best = np.arange(len(ids))
+        size = 64
+        while size < len(ids):
+            part = np.argpartition(weights, len(ids) - size)[len(ids) - size :]
+            if float(weights[part].sum(dtype=np.float64)) >= target:
+                best = part
+                break
+            size *= 8
+        order = best[np.argsort(-weights[best], kind="stable")]
+        n = int(np.searchsorted(np.cumsum(weights[order], dtype=np.float64), target)) + 1
+        return ids[order[: min(n, len(order))]]
+
+    def _draw(self, weights: np.ndarray) -> int:
+        """A token with probability proportional to ``weights`` (float32, over the whole vocabulary)."""
+        blocks = np.add.reduceat(weights, self.starts, dtype=np.float64)
+        cumulative = np.cumsum(blocks)
+        target = self.rng.random() * cumulative[-1]
+        b = min(int(np.searchsorted(cumulative, target, side="right")), len(blocks) - 1)
+        start = int(self.starts[b])
+        inner = np.cumsum(weights[start : start + self.BLOCK], dtype=np.float64)
+        i = start + min(int(np.searchsorted(inner, target - (cumulative[b - 1] if b else 0.0), side="right")),
+                        len(inner) - 1)  # fmt: skip
+        while weights[i] == 0.0 and i > start:  # rounding at the block's end landed on a dropped token
+            i -= 1
+        return i
 
 
 def _surviving(cand: np.ndarray, data: Any, size: int) -> np.ndarray:

@@ -192,6 +192,17 @@ def test_every_sampler_runs_and_reproduces_with_a_seed(with_default_model: Path,
         assert first != baseline, f"{settings} did not change the output"
 
 
+def test_the_numpy_sampler_gives_the_chains_greedy_tokens(with_default_model: Path, monkeypatch) -> None:
+    from modules.loaders.llama_cpp_sampling import PlainSampler
+
+    backend = load()
+    prompts = [chat_ids(backend, text) for text in ("Write a short poem about the sea.", "List three colours.")]
+    params = GenerationParams(temperature=0, max_new_tokens=64, ban_eos=True, logit_bias={"28": -100})
+    ours = [token_ids(backend, ids, params) for ids in prompts]
+    monkeypatch.setattr(PlainSampler, "fits", staticmethod(lambda *_: False))  # llama.cpp's chain for each token
+    assert [token_ids(backend, ids, params) for ids in prompts] == ours
+
+
 def test_dry_breaks_a_greedy_loop(with_default_model: Path) -> None:
     backend = load()
     ids = prepare(
