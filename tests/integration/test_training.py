@@ -158,13 +158,18 @@ def test_ctrl_c_on_the_cli_stops_at_the_next_step_with_a_checkpoint(folders: Pat
                "--lora-dir", str(folders / "loras")]  # fmt: skip
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     output = folders / "loras" / "ctrl-c"
-    deadline = time.monotonic() + 180
-    while not (output / "training_parameters.json").exists():  # written just before the first step
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
-        time.sleep(0.2)
-    time.sleep(2)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=180)
+    try:
+        deadline = time.monotonic() + 180
+        while not (output / "training_parameters.json").exists():  # written just before the first step
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.2)
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:  # a run that did not stop would train for 100000 steps after the suite
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-3000:]
     assert "stopped: stopped by the user (the same command with --resume goes on)" in out and "Traceback" not in err
     assert (output / "adapter_model.safetensors").is_file()  # the adapter so far

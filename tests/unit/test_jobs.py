@@ -149,9 +149,14 @@ def test_sigint_to_a_cli_process_stops_its_job_cleanly(tmp_path: Path) -> None:
     )
     proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:  # the child loops until interrupted
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert out.split() == ["cleaned", "up", "interrupted"] and "Traceback" not in err
 
