@@ -358,12 +358,19 @@ def estimate_llama_cpp(
 
 
 def estimate_transformers(
-    params: ParamCount, shape: ModelShape, bytes_per_param: float, n_ctx: int, kv_value_bytes: float, on_gpu: bool
+    params: ParamCount,
+    shape: ModelShape,
+    bytes_per_param: float,
+    n_ctx: int,
+    kv_value_bytes: float,
+    on_gpu: bool,
+    parallel: int = 1,
 ) -> MemoryEstimate:
     """What the transformers backend holds: weights at ``bytes_per_param`` (4-bit: about 0.56 for the linear
-    layers, embeddings at the compute dtype), one sequence's KV cache, activations, and torch's allocator slack."""
+    layers, embeddings at the compute dtype), the KV cache of ``parallel`` sequences (its batch pads each to the
+    longest: all full is what it may reach), activations, and torch's allocator slack."""
     weights = int(params.total * bytes_per_param)
-    kv = kv_bytes_per_token(shape, kv_value_bytes) * n_ctx
+    kv = kv_bytes_per_token(shape, kv_value_bytes) * n_ctx * max(1, parallel)
     compute = int(n_ctx * shape.hidden_size * 4 * 8 + shape.vocab_size * 4 * 2)
     runtime = int(0.05 * weights) + 64 * MiB
     estimate = MemoryEstimate(weights, kv, compute, runtime)

@@ -115,7 +115,8 @@ def estimate(analysis: Analysis, loader: str, options: dict[str, Any]) -> Memory
         kv_value = memory.bytes_per_weight(compute_dtype) if _quantized(options) else per
         count = ParamCount(analysis.parameters, analysis.active_parameters or analysis.parameters, 0, "")
         on_gpu = not options.get("cpu") and bool(options.get("_gpu"))
-        return memory.estimate_transformers(count, shape, per, n_ctx, kv_value, on_gpu)
+        parallel = int(options.get("parallel") or 1)
+        return memory.estimate_transformers(count, shape, per, n_ctx, kv_value, on_gpu, parallel)
     return None
 
 
@@ -176,7 +177,7 @@ def make_plan(
     else:
         plan.loader = "transformers"
         plan.choices.append(Choice("loader", "transformers", "Hugging Face weights: the transformers backend"))
-        _plan_transformers(plan, analysis, hw, max_ctx)
+        _plan_transformers(plan, analysis, hw, parallel or 4, max_ctx)
     if analysis.remote_code:
         plan.choices.append(Choice("trust_remote_code", True, "allowed: the model ships its own Python code"))
     return plan
@@ -239,7 +240,7 @@ def _plan_llama_cpp(plan: Plan, analysis: Analysis, hw: Hardware, parallel: int,
         _alternatives(plan, analysis, current=analysis.quantization)
 
 
-def _plan_transformers(plan: Plan, analysis: Analysis, hw: Hardware, max_ctx: int) -> None:
+def _plan_transformers(plan: Plan, analysis: Analysis, hw: Hardware, parallel: int, max_ctx: int) -> None:
     n_ctx, ctx_reason = _context(analysis, max_ctx)
     gpu = hw.cuda
     candidates: list[tuple[dict[str, Any], str]] = []
@@ -264,20 +265,34 @@ def _plan_transformers(plan: Plan, analysis: Analysis, hw: Hardware, max_ctx: in
     budget = plan.gpu_budget if gpu else plan.ram_budget
     chosen: tuple[dict[str, Any], str] | None = None
     expected = None
-    for values, reason in candidates:
-        expected = estimate(analysis, "transformers", {"n_ctx": n_ctx, **values, "_gpu": gpu})
-        if expected is None or (expected.gpu if gpu else expected.ram) <= budget:
-            chosen = (values, reason)
+    # each of the parallel sequences may fill its context: the best dtype for all of them, else for one
+    for slots in dict.fromkeys((parallel, 1)):
+        for values, reason in candidates:
+            expected = estimate(analysis, "transformers", {"n_ctx": n_ctx, "parallel": slots, **values, "_gpu": gpu})
+            if expected is None or (expected.gpu if gpu else expected.ram) <= budget:
+                chosen = (values, reason)
+                break
+        if chosen is not None:
             break
     plan.fits = chosen is not None
     values, reason = chosen or candidates[-1]
     if not plan.fits:
-        expected = estimate(analysis, "transformers", {"n_ctx": n_ctx, **values, "_gpu": gpu})
+        slots = 1
+        expected = estimate(analysis, "transformers", {"n_ctx": n_ctx, "parallel": slots, **values, "_gpu": gpu})
     for key, value in values.items():
         plan.choices.append(Choice(key, value, reason if key in ("dtype", "load_in_4bit", "load_in_8bit") else
                                    {"cpu": "no CUDA GPU: the CPU", "quant_type": "NF4: the better 4-bit type",
                                     "compute_dtype": "the dtype the 4-bit layers compute in"}.get(key, reason)))  # fmt: skip
     plan.choices.append(Choice("n_ctx", n_ctx, ctx_reason))
+    plan.choices.append(
+        Choice(
+            "parallel",
+            slots,
+            f"{slots} chats can generate at once, each with its context"
+            if slots == parallel
+            else f"1 chat at a time: {parallel} full contexts do not fit beside the weights",
+        )
+    )
     plan.memory = expected
     if not plan.fits:
         _alternatives(plan, analysis, current=None)

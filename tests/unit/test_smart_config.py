@@ -125,3 +125,23 @@ def test_a_broken_config_is_a_clear_error(tmp_path: Path, bad: str) -> None:
     (tmp_path / "config.json").write_text(bad)
     result = run_cli("inspect", str(tmp_path))
     assert result.returncode == 1 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+
+
+def test_a_transformers_plan_counts_the_context_of_every_parallel_chat(tmp_path: Path) -> None:
+    llama = config_only(tmp_path, LLAMA_3_8B)
+    n_ctx = smart_config._context(llama, smart_config.CTX_CAP)[0]
+    bf16 = {"n_ctx": n_ctx, "dtype": "bfloat16", "cpu": True}
+    one = smart_config.estimate(llama, "transformers", {**bf16, "parallel": 1})
+    four = smart_config.estimate(llama, "transformers", {**bf16, "parallel": 4})
+    assert one is not None and four is not None
+    assert four.kv_cache == 4 * one.kv_cache > 0 and four.weights == one.weights
+    # bfloat16 with one full context fits, with four it does not: one chat at a time, at full quality
+    tight = machine((one.ram + four.ram) / 2 / smart_config.RAM_SHARE / GiB, bnb=False)
+    plan = smart_config.make_plan(llama, tight, parallel=4)
+    assert plan.fits and plan.options()["dtype"] == "bfloat16" and plan.options()["parallel"] == 1
+    assert "do not fit" in next(c.reason for c in plan.choices if c.setting == "parallel")
+    assert plan.memory is not None and plan.memory.kv_cache == one.kv_cache
+    roomy = smart_config.make_plan(
+        llama, machine(four.ram * 1.05 / smart_config.RAM_SHARE / GiB, bnb=False), parallel=4
+    )
+    assert roomy.options()["parallel"] == 4 and roomy.memory is not None and roomy.memory.kv_cache == four.kv_cache
