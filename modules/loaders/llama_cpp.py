@@ -27,7 +27,13 @@ from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, Queu
 from modules.generation.params import GenerationParams
 from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_spec, precheck
 from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver, drain
-from modules.loaders.llama_cpp_sampling import SUPPORTED, RequestSampler, schema_to_grammar, top_logprobs
+from modules.loaders.llama_cpp_sampling import (
+    SUPPORTED,
+    NothingToSample,
+    RequestSampler,
+    schema_to_grammar,
+    top_logprobs,
+)
 from modules.loaders.llama_cpp_side import SideContext, SideOps, Task, default_threads
 from modules.loaders.llama_cpp_spec import NgramIndex, SpecState, Speculator, Work, common_prefix, start_speculation
 
@@ -449,16 +455,21 @@ class LlamaCppBackend(SideOps, Backend):
             except Exception as exc:  # keep the scheduler alive; fail only the requests in flight
                 log.exception("llama.cpp step failed")
                 for slot in self._slots:
-                    if slot.request is not None:
-                        self._send(slot.request, RuntimeError(f"generation failed: {exc}"))
-                        slot.request.done = True
-                        slot.request.sampler.close()
-                        slot.request = None
-                    if self._ctx is not None:
-                        self._ctx.kv_cache_seq_rm(slot.seq_id, 0, -1)
-                    slot.tokens.clear()
+                    self._abort(slot, RuntimeError(f"generation failed: {exc}"))
             finally:
                 self._flush()
+
+    def _abort(self, slot: _Slot, error: Exception) -> None:
+        """End the slot's request with ``error`` and empty its cache (what it holds may be half a step)."""
+        req = slot.request
+        if req is not None:
+            self._send(req, error)
+            req.done = True
+            req.sampler.close()
+            slot.request = None
+        if self._ctx is not None:
+            self._ctx.kv_cache_seq_rm(slot.seq_id, 0, -1)
+        slot.tokens.clear()
 
     def _step(self) -> None:
         assert self._ctx is not None and self._batch is not None
@@ -523,7 +534,10 @@ class LlamaCppBackend(SideOps, Backend):
             req = slot.request
             if req is None or req.batch_index < 0:
                 continue
-            self._emit(slot, req)
+            try:
+                self._emit(slot, req)
+            except NothingToSample as exc:  # this request's own settings: it alone ends
+                self._abort(slot, exc)
 
     def _plan_drafts(self, decoding: list[_Slot]) -> None:
         assert self._spec is not None

@@ -1,11 +1,11 @@
 """Per-request samplers for the llama.cpp backend, built from GenerationParams.
 
-Most requests ask for greedy decoding or plain temperature sampling (with top-k, top-p or min-p): those are drawn
-in numpy straight from the logits row (``PlainSampler``). llama.cpp's chain copies the whole vocabulary into a
-candidate array for every token, 0.17 ms a row for greedy and 0.46 ms with temperature on a 49k vocabulary here,
-a fifth of a step's time for eight streams of a small model; numpy takes 0.01 and 0.09 ms. Everything else
-(penalties, DRY, typical, XTC, mirostat, dynamic temperature, a grammar, logprobs) uses llama.cpp's sampler chain,
-for the whole request.
+Most requests ask for greedy decoding or plain temperature sampling (with top-k, top-p or min-p, logprobs or not):
+those are drawn in numpy straight from the logits row (``PlainSampler``). llama.cpp's chain copies the whole
+vocabulary into a candidate array for every token, 0.17 ms a row for greedy and 0.46 ms with temperature on a 49k
+vocabulary here, a tenth of a step's time for eight streams of a small model; numpy takes 0.01 and 0.08 ms.
+Everything else (penalties, DRY, typical, XTC, mirostat, dynamic temperature, a grammar) uses llama.cpp's sampler
+chain, for the whole request. A request whose bias and bans leave no token ends alone with ``NothingToSample``.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class RequestSampler:
         """
         if self.plain is not None:
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
-            return self.plain.sample(logits, generated), None, None
+            return self.plain.sample(logits, generated)
         want = self.params.logprobs or self.params.top_logprobs > 0
         early = self.eog_ban is not None and generated < self.params.min_tokens
         if self.grammar is None and not want and not early:
@@ -202,7 +202,7 @@ class RequestSampler:
         llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(array))
         size, selected = int(array.size), int(array.selected)
         if not 0 <= selected < size:
-            raise RuntimeError("the sampler chain selected no token")
+            raise NothingToSample()
         kept = _surviving(cand, array.data, size)
         token = int(kept["id"][selected])
         llama_cpp.llama_sampler_accept(self.chain, token)
@@ -236,18 +236,29 @@ class RequestSampler:
         self._keep.clear()
 
 
+class NothingToSample(InvalidRequest):
+    """Every token is banned for this request (by logit_bias, min_tokens or its grammar): it alone ends."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "nothing is left to sample: logit_bias, min_tokens or the grammar bans every token", param="logit_bias"
+        )
+
+
 class PlainSampler:
     """Greedy, or temperature with top-k, top-p and min-p, in llama.cpp's order and with its rules (logit bias
     first; temperature before the truncations, or after them with ``temperature_last``; top-k, then top-p, then
-    min-p; greedy takes the first of equal best), drawn from the logits row with numpy: one uniform number per
-    token from the request's own seeded generator, so a seed gives the same reply alone or batched."""
+    min-p; greedy takes the first of equal best; logprobs from the distribution drawn from), drawn from the logits
+    row with numpy: one uniform number per token from the request's own seeded generator, so a seed gives the same
+    reply alone, batched or speculative, with or without logprobs."""
 
     BLOCK = 1024  # the draw finds its block of the vocabulary first, then the token in it
+    TINY = 1e-30  # a temperature below this is greedy (its inverse would overflow float32)
 
     @staticmethod
     def fits(p: GenerationParams, grammar: str | None = None) -> bool:
         """True when ``p`` asks for nothing beyond what this sampler does."""
-        if grammar or p.logprobs or p.top_logprobs > 0 or p.dry_multiplier > 0:
+        if grammar or p.dry_multiplier > 0:
             return False
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             return False
@@ -257,6 +268,8 @@ class PlainSampler:
 
     def __init__(self, n_vocab: int, p: GenerationParams, eog_tokens: list[int]) -> None:
         self.p, self.n_vocab = p, n_vocab
+        self.greedy = p.greedy or p.temperature < self.TINY
+        self.want = p.logprobs or p.top_logprobs > 0
         bias = {int(k): float(v) for k, v in p.logit_bias.items() if 0 <= int(k) < n_vocab}
         if p.ban_eos:
             bias.update({t: -math.inf for t in eog_tokens})
@@ -267,20 +280,40 @@ class PlainSampler:
         self.row = np.empty(n_vocab, dtype=np.float32)
         self.starts = np.arange(0, n_vocab, self.BLOCK)
 
-    def sample(self, logits: np.ndarray, generated: int = 0) -> int:
-        """The next token from one row of logits (``generated``: tokens so far, for min_tokens)."""
-        kept, weights = self.weights(logits, generated)
+    def sample(
+        self, logits: np.ndarray, generated: int = 0
+    ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+        """The next token from one row of logits (``generated``: tokens so far, for min_tokens), and when asked
+        for, its log probability and the top candidates' (as RequestSampler.sample)."""
+        best, top = self._biased(logits, generated)
+        if self.greedy:
+            if not self.want:
+                return best, None, None
+            x = self.row  # greedy's logprobs: the biased logits' own distribution, as llama.cpp's chain gives them
+            x -= top
+            np.exp(x, out=x)
+            return best, *self._logprobs(None, x, best)
+        kept, weights = self._truncate(top)
         if kept is None:
-            return self._draw(weights)
-        if len(kept) == 1:  # greedy, or a truncation that left one token: no draw
-            return int(kept[0])
-        cumulative = np.cumsum(weights, dtype=np.float64)
-        i = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
-        return int(kept[min(i, len(kept) - 1)])
+            token = self._draw(weights)
+        elif len(kept) == 1:  # a truncation that left one token: no draw
+            token = int(kept[0])
+        else:
+            cumulative = np.cumsum(weights, dtype=np.float64)
+            i = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+            token = int(kept[min(i, len(kept) - 1)])
+        if not self.want:
+            return token, None, None
+        return token, *self._logprobs(kept, weights, token)
 
     def weights(self, logits: np.ndarray, generated: int = 0) -> tuple[np.ndarray | None, np.ndarray]:
-        """The tokens a draw may give and their unnormalised probabilities: (None, a weight per vocabulary
-        entry) when no truncation applies (the array is reused by the next call); greedy: just the best."""
+        """What a (non-greedy) draw picks from: the tokens left and their unnormalised probabilities, or
+        (None, a weight per vocabulary entry) when no truncation applies (that array is reused by the next call)."""
+        _, top = self._biased(logits, generated)
+        return self._truncate(top)
+
+    def _biased(self, logits: np.ndarray, generated: int) -> tuple[int, float]:
+        """Copy the row into ``self.row`` with the bias and bans applied; the best token and its logit."""
         p, x = self.p, self.row
         np.copyto(x, logits)
         if self.bias_ids.size:
@@ -289,10 +322,19 @@ class PlainSampler:
             x[self.eog] = -np.inf
         best = int(x.argmax())  # the first of equal best, as llama.cpp's greedy sampler
         top = float(x[best])
-        if not math.isfinite(top):
-            raise RuntimeError("the sampler chain selected no token")
-        if p.greedy:
-            return np.array([best]), np.ones(1)
+        if math.isnan(top):  # a model fault: NaN logits count as banned
+            x[np.isnan(x)] = -np.inf
+            best = int(x.argmax())
+            top = float(x[best])
+        if top == -math.inf:
+            raise NothingToSample()
+        if top == math.inf:  # certain: nothing else can be drawn
+            x[:] = np.where(x == top, 0.0, -np.inf)
+            top = 0.0
+        return best, top
+
+    def _truncate(self, top: float) -> tuple[np.ndarray | None, np.ndarray]:
+        p, x = self.p, self.row
         # x becomes the logits the truncations see: less the best, over the temperature unless it comes last
         x -= top
         if not p.temperature_last:
@@ -312,6 +354,21 @@ class PlainSampler:
             np.exp(x, out=x)
             return None, x
         return kept, np.exp(x[kept].astype(np.float64) * final)
+
+    def _logprobs(
+        self, kept: np.ndarray | None, weights: np.ndarray, token: int
+    ) -> tuple[float, list[tuple[int, float]]]:
+        """The drawn token's log probability and the top_logprobs most likely tokens' (weights > 0 only)."""
+        total = float(weights.sum(dtype=np.float64))
+        ids = np.arange(len(weights)) if kept is None else kept
+        where = token if kept is None else int(np.flatnonzero(kept == token)[0])
+        chosen = math.log(float(weights[where]) / total) if weights[where] > 0 else -math.inf
+        n = min(self.p.top_logprobs, len(weights))
+        if n <= 0:
+            return chosen, []
+        most = np.argpartition(-weights, n - 1)[:n] if n < len(weights) else np.arange(len(weights))
+        most = most[np.argsort(-weights[most], kind="stable")]
+        return chosen, [(int(ids[i]), math.log(float(weights[i]) / total)) for i in most if weights[i] > 0]
 
     @staticmethod
     def _nucleus(x: np.ndarray, kept: np.ndarray | None, top_p: float) -> np.ndarray:

@@ -203,6 +203,39 @@ def test_the_numpy_sampler_gives_the_chains_greedy_tokens(with_default_model: Pa
     assert [token_ids(backend, ids, params) for ids in prompts] == ours
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_request_that_bans_every_token_fails_alone(with_default_model: Path, temperature: float) -> None:
+    from modules.loaders.llama_cpp_sampling import NothingToSample
+
+    backend = load(parallel=2)
+    ids = chat_ids(backend, "Write a short poem about the sea.")
+    params = GenerationParams(temperature=0, max_new_tokens=48, ban_eos=True)
+    alone = token_ids(backend, ids, params)
+    banned = GenerationParams(
+        temperature=temperature,
+        seed=1,
+        max_new_tokens=8,
+        logit_bias={t: -100 for t in range(backend.metadata.extra["n_vocab"])},
+    )
+    other: list[int] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        for event in backend.generate(ids, params, threading.Event()):
+            started.set()
+            if event.token_id >= 0:
+                other.append(event.token_id)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(30)
+    with pytest.raises(NothingToSample, match="bans every token"):
+        token_ids(backend, ids, banned)
+    thread.join(60)
+    assert other == alone  # the stream beside it went on, as alone
+    assert token_ids(backend, ids, params) == alone and backend.stats()["busy_slots"] == 0
+
+
 def test_dry_breaks_a_greedy_loop(with_default_model: Path) -> None:
     backend = load()
     ids = prepare(

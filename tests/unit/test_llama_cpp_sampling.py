@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from modules.generation.params import GenerationParams
-from modules.loaders.llama_cpp_sampling import _TOKEN_DATA, PlainSampler, RequestSampler, _surviving
+from modules.loaders.llama_cpp_sampling import _TOKEN_DATA, NothingToSample, PlainSampler, RequestSampler, _surviving
 
 
 def candidates(probs: list[float]) -> tuple[np.ndarray, llama_cpp.llama_token_data_array]:
@@ -93,9 +93,12 @@ def chain_distribution(params: GenerationParams, row: np.ndarray, generated: int
         array = llama_cpp.llama_token_data_array(
             data=cand.ctypes.data_as(llama_cpp.llama_token_data_p), size=VOCAB, selected=-1, sorted=False
         )
-        llama_cpp.llama_sampler_apply(sampler.chain, ctypes.byref(array))  # the last sampler (dist) sets p
+        llama_cpp.llama_sampler_apply(sampler.chain, ctypes.byref(array))
         kept = _surviving(cand, array.data, int(array.size))
-        return {int(i): float(p) for i, p in zip(kept["id"], kept["p"], strict=True) if p > 0}
+        # what the chain leaves, as RequestSampler reads its logprobs: a softmax of the surviving logits
+        scores = kept["logit"].astype(np.float64)
+        weights = np.exp(scores - scores[np.isfinite(scores)].max())
+        return {int(i): float(w) / float(weights.sum()) for i, w in zip(kept["id"], weights, strict=True) if w > 0}
     finally:
         sampler.close()
 
@@ -123,12 +126,12 @@ def test_greedy_takes_the_first_best_after_bias_and_bans() -> None:
     row = np.zeros(VOCAB, dtype=np.float32)
     row[[5, 9]] = 3.0
     row[EOG[0]] = 4.0
-    assert PlainSampler(VOCAB, GenerationParams(temperature=0), EOG).sample(row) == EOG[0]
-    assert PlainSampler(VOCAB, GenerationParams(temperature=0, min_tokens=1), EOG).sample(row, 0) == 5
-    assert PlainSampler(VOCAB, GenerationParams(temperature=0, min_tokens=1), EOG).sample(row, 1) == EOG[0]
-    assert PlainSampler(VOCAB, GenerationParams(temperature=0, ban_eos=True), EOG).sample(row) == 5
+    assert PlainSampler(VOCAB, GenerationParams(temperature=0), EOG).sample(row)[0] == EOG[0]
+    assert PlainSampler(VOCAB, GenerationParams(temperature=0, min_tokens=1), EOG).sample(row, 0)[0] == 5
+    assert PlainSampler(VOCAB, GenerationParams(temperature=0, min_tokens=1), EOG).sample(row, 1)[0] == EOG[0]
+    assert PlainSampler(VOCAB, GenerationParams(temperature=0, ban_eos=True), EOG).sample(row)[0] == 5
     biased = GenerationParams(temperature=0, logit_bias={"5": -100, "700": 10.0})
-    assert PlainSampler(VOCAB, biased, EOG).sample(row) == 700
+    assert PlainSampler(VOCAB, biased, EOG).sample(row)[0] == 700
 
 
 @pytest.mark.parametrize("settings", [{"temperature": 0.8}, {"temperature": 1.0, "top_p": 0.9}], ids=str)
@@ -138,7 +141,7 @@ def test_the_draws_follow_the_distribution(settings: dict) -> None:
     sampler = PlainSampler(VOCAB, params, EOG)
     expected = plain_distribution(params, row, 0)
     draws = 40000
-    counts = np.bincount([sampler.sample(row) for _ in range(draws)], minlength=VOCAB)
+    counts = np.bincount([sampler.sample(row)[0] for _ in range(draws)], minlength=VOCAB)
     assert set(np.flatnonzero(counts)) <= expected.keys()  # never a dropped token
     for token, p in sorted(expected.items(), key=lambda kv: -kv[1])[:20]:
         sigma = math.sqrt(p * (1 - p) / draws)
@@ -155,7 +158,7 @@ def test_a_seed_gives_the_same_draws_and_another_seed_others() -> None:
 
     def draws(seed: int) -> list[int]:
         sampler = PlainSampler(VOCAB, GenerationParams(temperature=1.0, seed=seed), EOG)
-        return [sampler.sample(row) for _ in range(50)]
+        return [sampler.sample(row)[0] for _ in range(50)]
 
     assert draws(5) == draws(5)
     assert draws(5) != draws(6)
@@ -163,6 +166,15 @@ def test_a_seed_gives_the_same_draws_and_another_seed_others() -> None:
 
 def test_what_the_numpy_sampler_does_not_do_goes_to_the_chain() -> None:
     assert PlainSampler.fits(GenerationParams(temperature=0, logit_bias={"1": 2.0}, min_tokens=3))
+    assert PlainSampler.fits(GenerationParams(temperature=0.7, top_p=0.9, logprobs=True, top_logprobs=5))
+    plain = RequestSampler(None, VOCAB, GenerationParams(temperature=0.8, top_k=40), EOG, 4096)
+    chain = RequestSampler(None, VOCAB, GenerationParams(temperature=0.8, repetition_penalty=1.1), EOG, 4096)
+    try:
+        assert plain.plain is not None and plain.chain is None
+        assert chain.plain is None and chain.chain
+    finally:
+        plain.close()
+        chain.close()
     for other in (
         {"repetition_penalty": 1.1},
         {"presence_penalty": 0.5},
@@ -172,8 +184,45 @@ def test_what_the_numpy_sampler_does_not_do_goes_to_the_chain() -> None:
         {"xtc_probability": 0.5},
         {"mirostat_mode": 2},
         {"dynatemp_range": 0.5},
-        {"logprobs": True},
-        {"top_logprobs": 3},
     ):
         assert not PlainSampler.fits(GenerationParams(temperature=0.8, **other)), other
     assert not PlainSampler.fits(GenerationParams(temperature=0.8), grammar='root ::= "a"')
+
+
+@pytest.mark.parametrize(
+    "settings", [{"temperature": 0}, {"temperature": 0.8}, {"temperature": 0.7, "top_k": 40, "top_p": 0.9}], ids=str
+)
+def test_logprobs_are_the_chains_and_do_not_change_the_draws(settings: dict) -> None:
+    plain = GenerationParams(seed=9, **settings)
+    asked = GenerationParams(seed=9, logprobs=True, top_logprobs=5, **settings)
+    quiet, loud = PlainSampler(VOCAB, plain, EOG), PlainSampler(VOCAB, asked, EOG)
+    for row in rows() * 3:
+        token, none, nothing = quiet.sample(row)
+        same, logprob, tops = loud.sample(row)
+        assert same == token and none is None and nothing is None  # the same draw with logprobs on
+        theirs = chain_distribution(asked, row, 0)
+        assert logprob == pytest.approx(math.log(theirs[token]), abs=1e-4)
+        best = sorted(theirs.items(), key=lambda kv: -kv[1])[:5]
+        assert tops is not None and [t for t, _ in tops] == [t for t, _ in best]
+        assert [lp for _, lp in tops] == pytest.approx([math.log(p) for _, p in best], abs=1e-4)
+
+
+def test_a_row_with_nothing_to_sample_is_this_requests_error() -> None:
+    row = rows()[0]
+    banned = GenerationParams(temperature=0.8, logit_bias={str(i): -100 for i in range(VOCAB)})
+    for params in (banned, GenerationParams(temperature=0, logit_bias={str(i): -100 for i in range(VOCAB)})):
+        with pytest.raises(NothingToSample):
+            PlainSampler(VOCAB, params, EOG).sample(row)
+    broken = row.copy()
+    broken[[1, 5]] = np.nan  # a model fault: NaN logits count as banned, the rest is drawn from
+    assert PlainSampler(VOCAB, GenerationParams(temperature=0), EOG).sample(broken)[0] == int(
+        np.nanargmax(np.where(np.isnan(broken), -np.inf, broken))
+    )
+    drawn = {PlainSampler(VOCAB, GenerationParams(temperature=1.0, seed=s), EOG).sample(broken)[0] for s in range(50)}
+    assert drawn and not drawn & {1, 5}
+
+
+def test_a_tiny_temperature_is_greedy() -> None:
+    row = rows()[1]
+    for settings in ({"temperature": 1e-39}, {"temperature": 1e-39, "temperature_last": True, "top_k": 5}):
+        assert PlainSampler(VOCAB, GenerationParams(seed=1, **settings), EOG).sample(row)[0] == int(row.argmax())
