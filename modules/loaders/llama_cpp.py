@@ -459,6 +459,12 @@ class LlamaCppBackend(SideOps, Backend):
             finally:
                 self._flush()
 
+    def _side_budget(self) -> int:
+        """Tokens an embedding or scoring decode may take now (scheduler thread): a prompt chunk's while requests
+        are generating or waiting, so they keep their pace; the whole batch when the model is idle."""
+        busy = bool(self._waiting) or any(s.request is not None for s in self._slots)
+        return PREFILL_CHUNK_WHILE_DECODING if busy else self._n_batch
+
     def _abort(self, slot: _Slot, error: Exception) -> None:
         """End the slot's request with ``error`` and empty its cache (what it holds may be half a step)."""
         req = slot.request

@@ -66,6 +66,7 @@ class SideContext:
         embeddings: bool,
         flash_attn: int = -1,
         run: Run = lambda fn: fn(),
+        budget: Callable[[], int] | None = None,
     ) -> None:
         self.model, self.n_ctx, self.n_batch, self.threads, self.embeddings = (
             model,
@@ -76,30 +77,46 @@ class SideContext:
         )
         self.flash_attn = flash_attn  # as the main context's, so scores match what generation samples from
         self.run = run
+        # tokens one decode of this context may take, asked on the scheduler thread before each: fewer while
+        # generation goes on (as a prompt's prefill), so other streams keep their pace
+        self.budget = budget or (lambda: self.n_batch)
         self.lock = threading.Lock()  # one scoring call at a time (its chunks share the context's cache)
         self.version = 0  # bumped when the adapters change, so a scoring call that spans a change starts again
         self._ctx: LlamaContext | None = None
         self._batch: LlamaBatch | None = None
         self._adapters: list[tuple[Any, float]] = []
+        self.causal = True  # until the context says otherwise (embeddings: chunked, averaged here)
 
     def context(self) -> tuple[LlamaContext, LlamaBatch]:
-        """The context and its batch (created on first use, on the scheduler thread)."""
+        """The context and its batch (created on first use, on the scheduler thread).
+
+        Embeddings of a causal model (what llama.cpp's context says) are read per token, ``n_batch`` tokens per
+        decode, and averaged here: each chunk is a scheduler task of its own, so a long input does not hold up
+        generation. A model with bidirectional attention (BERT-like) needs the whole input in one ubatch, where
+        llama.cpp pools it."""
         if self._ctx is None:
-            params = llama_cpp.llama_context_default_params()
-            params.n_ctx, params.n_seq_max = self.n_ctx, 1
-            params.n_batch = params.n_ubatch = self.n_ctx if self.embeddings else self.n_batch  # pooling: one ubatch
-            params.n_threads = params.n_threads_batch = self.threads
-            params.no_perf = True
-            params.flash_attn_type = self.flash_attn
-            if self.embeddings:
-                params.embeddings = True
-                params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
-            self._ctx = LlamaContext(model=self.model, params=params, verbose=False)
+            self._ctx = self._new_context(one_ubatch=False)
+            if self.embeddings and not llama_cpp.llama_get_causal_attn(self._ctx.ctx):
+                self._ctx.close()
+                self._ctx = self._new_context(one_ubatch=True)
+                self.causal = False
             self._set_adapters()
         if self._batch is None:
-            size = self.n_ctx if self.embeddings else self.n_batch
+            size = self.n_batch if self.causal else self.n_ctx
             self._batch = LlamaBatch(n_tokens=size, embd=0, n_seq_max=1, verbose=False)
         return self._ctx, self._batch
+
+    def _new_context(self, one_ubatch: bool) -> LlamaContext:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = self.n_ctx, 1
+        params.n_batch = params.n_ubatch = self.n_ctx if one_ubatch else self.n_batch
+        params.n_threads = params.n_threads_batch = self.threads
+        params.no_perf = True
+        params.flash_attn_type = self.flash_attn
+        if self.embeddings:
+            params.embeddings = True
+            params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN if one_ubatch else llama_cpp.LLAMA_POOLING_TYPE_NONE
+        return LlamaContext(model=self.model, params=params, verbose=False)
 
     def _set_adapters(self) -> None:
         if self._ctx is None:
@@ -127,9 +144,46 @@ class SideContext:
         for i, tokens in enumerate(token_lists):
             if len(tokens) > self.n_ctx:  # never cut silently
                 raise InvalidRequest(f"input[{i}] has {len(tokens)} tokens; at most {self.n_ctx} fit", param="input")
-        return [cast("list[float]", self.run(functools.partial(self._embed_one, tokens))) for tokens in token_lists]
+        with self.lock:  # one call at a time: a causal input's chunks share the context's cache
+            self.run(self.context)
+            return [self._embed(tokens) for tokens in token_lists]
 
-    def _embed_one(self, tokens: list[int]) -> list[float]:
+    def _embed(self, tokens: list[int]) -> list[float]:
+        if not self.causal:
+            vector = cast("np.ndarray", self.run(functools.partial(self._embed_pooled, tokens)))
+        else:
+            while True:  # adapters changed between chunks: start again, so one set made the whole vector
+                version = self.version
+                vector = np.zeros(self.model.n_embd(), dtype=np.float64)
+                start = 0
+                while start < len(tokens):
+                    part, fed = self.run(functools.partial(self._embed_chunk, start, tokens))
+                    vector += part
+                    start += fed
+                if version == self.version:
+                    break
+            vector /= len(tokens)  # the mean over the tokens, as llama.cpp's MEAN pooling
+        return cast("list[float]", (vector / (float(np.linalg.norm(vector)) or 1.0)).tolist())
+
+    def _embed_chunk(self, start: int, tokens: list[int]) -> tuple[np.ndarray, int]:
+        """Decode the next chunk of ``tokens`` from ``start`` (after the ones before it): the sum of its tokens'
+        embeddings, and how many it took."""
+        ctx, holder = self.context()
+        if start == 0:
+            ctx.kv_cache_clear()
+        chunk = self._chunk(start, tokens)
+        batch = holder.batch
+        for j, token in enumerate(chunk):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
+            batch.seq_id[j][0], batch.logits[j] = 0, True
+        batch.n_tokens = len(chunk)
+        if llama_cpp.llama_decode(ctx.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed while embedding")
+        rows = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings(ctx.ctx), shape=(len(chunk), self.model.n_embd()))
+        return rows.sum(axis=0, dtype=np.float64), len(chunk)
+
+    def _embed_pooled(self, tokens: list[int]) -> np.ndarray:
+        """The whole input in one ubatch, pooled by llama.cpp (bidirectional attention)."""
         ctx, batch = self.context()
         ctx.kv_cache_clear()
         batch.reset()
@@ -137,8 +191,7 @@ class SideContext:
         if llama_cpp.llama_decode(ctx.ctx, batch.batch) != 0:
             raise RuntimeError("llama_decode failed while embedding")
         pointer = llama_cpp.llama_get_embeddings_seq(ctx.ctx, 0)
-        vector = np.ctypeslib.as_array(pointer, shape=(self.model.n_embd(),)).astype(np.float64)
-        return cast("list[float]", (vector / (float(np.linalg.norm(vector)) or 1.0)).tolist())
+        return np.ctypeslib.as_array(pointer, shape=(self.model.n_embd(),)).astype(np.float64)
 
     def log_softmax_rows(self, prompt_ids: list[int], rows: set[int], n_vocab: int) -> dict[int, np.ndarray]:
         """Log-probability rows (the next-token distribution) at some positions of the prompt."""
@@ -146,16 +199,25 @@ class SideContext:
             while True:
                 version = self.version
                 out: dict[int, np.ndarray] = {}
-                for start in range(0, len(prompt_ids), self.n_batch):
-                    chunk = prompt_ids[start : start + self.n_batch]
-                    out.update(self.run(functools.partial(self._score_chunk, start, chunk, rows, n_vocab)))
+                start = 0
+                while start < len(prompt_ids):
+                    part, fed = self.run(functools.partial(self._score_chunk, start, prompt_ids, rows, n_vocab))
+                    out.update(part)
+                    start += fed
                 if version == self.version:
                     return out
 
-    def _score_chunk(self, start: int, chunk: list[int], rows: set[int], n_vocab: int) -> dict[int, np.ndarray]:
+    def _chunk(self, start: int, tokens: list[int]) -> list[int]:
+        """The tokens of ``tokens`` from ``start`` that this decode takes (the budget, asked now)."""
+        return tokens[start : start + max(1, min(self.n_batch, self.budget()))]
+
+    def _score_chunk(
+        self, start: int, tokens: list[int], rows: set[int], n_vocab: int
+    ) -> tuple[dict[int, np.ndarray], int]:
         ctx, holder = self.context()
         if start == 0:
             ctx.kv_cache_clear()
+        chunk = self._chunk(start, tokens)
         batch = holder.batch
         for j, token in enumerate(chunk):
             batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
@@ -170,7 +232,7 @@ class SideContext:
                 row = row.astype(np.float64)
                 top = float(row.max())
                 out[start + j] = row - (top + math.log(float(np.exp(row - top).sum())))
-        return out
+        return out, len(chunk)
 
 
 class SideOps:
@@ -195,6 +257,8 @@ class SideOps:
 
         def _require_model(self) -> LlamaModel: ...
 
+        def _side_budget(self) -> int: ...
+
     def embed(self, texts: list[str]) -> list[list[float]]:
         """Mean-pooled, L2-normalised embeddings from a second context in embeddings mode."""
         token_lists = [self.encode(t) for t in texts]
@@ -217,7 +281,14 @@ class SideOps:
             if key not in self._sides:
                 threads = int(self._options.get("threads") or default_threads())
                 side = SideContext(
-                    model, self._n_ctx, self._n_batch, threads, embeddings, self._flash_attn, self._on_scheduler
+                    model,
+                    self._n_ctx,
+                    self._n_batch,
+                    threads,
+                    embeddings,
+                    self._flash_attn,
+                    self._on_scheduler,
+                    self._side_budget,
                 )
                 side.set_adapters(list(self._loras.values()))
                 self._sides[key] = side

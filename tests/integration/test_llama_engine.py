@@ -335,6 +335,59 @@ def test_embeddings_mode(with_default_model: Path) -> None:
     assert refused.value.param == "input"
 
 
+def test_a_long_embedding_is_the_mean_over_its_tokens_and_lets_a_stream_go_on(with_default_model: Path) -> None:
+    """A causal model's long input is embedded in chunks (as a prompt is read), each a scheduler task of its own:
+    the same vector as llama.cpp's own mean pooling over the whole input in one batch, and a stream beside it
+    keeps getting tokens."""
+    import llama_cpp
+    from llama_cpp._internals import LlamaBatch, LlamaContext
+
+    backend = load(parallel=2)
+    text = "The keeper climbed the stairs and lit the lamp before the storm came in. " * 80
+    tokens = backend.encode(text)
+    assert 800 < len(tokens) < backend.context_length
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = len(tokens)
+    params.embeddings, params.pooling_type = True, llama_cpp.LLAMA_POOLING_TYPE_MEAN
+    params.n_threads = params.n_threads_batch = 2
+    params.flash_attn_type = 0  # as the backend's contexts on a CPU
+    reference_ctx = LlamaContext(model=backend._model, params=params, verbose=False)  # type: ignore[attr-defined]
+    holder = LlamaBatch(n_tokens=len(tokens), embd=0, n_seq_max=1, verbose=False)
+    try:
+        holder.add_sequence(tokens, 0, logits_all=True)
+        assert llama_cpp.llama_decode(reference_ctx.ctx, holder.batch) == 0
+        pooled = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings_seq(reference_ctx.ctx, 0), shape=(576,))
+        reference = pooled.astype(np.float64) / np.linalg.norm(pooled)
+    finally:
+        holder.close()
+        reference_ctx.close()
+    assert np.abs(np.array(backend.embed([text])[0]) - reference).max() < 1e-4
+
+    ids = chat_ids(backend, "Write a short story about a lighthouse keeper.")
+    gaps: list[float] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        last = None
+        for _event in backend.generate(ids, GenerationParams(temperature=0, max_new_tokens=400, ban_eos=True),
+                                      threading.Event()):  # fmt: skip
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(30)
+    t0 = time.perf_counter()
+    during = backend.embed([text])[0]
+    took = time.perf_counter() - t0
+    thread.join(120)
+    assert np.abs(np.array(during) - reference).max() < 1e-4
+    assert max(gaps) < took / 3, f"the stream stalled {max(gaps):.2f} s while a {took:.2f} s embedding ran"
+
+
 def test_side_contexts_decode_on_the_scheduler_thread(
     with_default_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
