@@ -16,6 +16,7 @@ from extensions.openai.auth import caller_id
 from extensions.openai.chat import FINGERPRINT, sse
 from extensions.openai.errors import from_exception
 from extensions.openai.protocol import CompletionRequest
+from modules import extensions
 from modules.errors import InvalidRequest
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import GenerationStats, check_prompt_length, encode_prompt
@@ -129,11 +130,16 @@ async def create(req: CompletionRequest, request: Request) -> Any:
             raise InvalidRequest("max_tokens must be at least 1 unless echo is true", param="max_tokens")
         return JSONResponse(_echo_only(meta, echo_text, echo_logprobs, req.n, backend, ids))
 
+    # a text prompt goes to the generation as text when an extension works on text (input_modifier,
+    # custom_generate_reply, tokenizer_modifier: the pipeline runs them, as for the notebook); else as its tokens
+    hooked = not req.suffix and any(
+        extensions.implementers(hook) for hook in ("input_modifier", "custom_generate_reply", "tokenizer_modifier")
+    )
     all_params: list[GenerationParams] = []
     all_prompts: list[str | list[int]] = []
-    for prompt_ids in ids:
+    for prompt, prompt_ids in zip(prompts, ids, strict=True):
         all_params += core.seeded(params, best_of)
-        all_prompts += [prompt_ids] * best_of
+        all_prompts += [prompt if hooked and isinstance(prompt, str) else prompt_ids] * best_of
     running = await core.start(all_prompts, all_params, backend, owner=caller_id(request))
     prompt_tokens = sum(len(i) for i in ids)  # each distinct prompt once, however many choices it has
     if req.stream:

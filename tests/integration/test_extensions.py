@@ -180,8 +180,8 @@ def write_extension(user_data: Path, name: str, source: str) -> Path:
 def test_every_hook_runs_on_a_real_generation(with_default_model: Path, user_data: Path) -> None:
     write_extension(user_data, "hooktest", HOOKTEST)
     shared.extension_params["hooktest"] = {"suffix": "?!"}  # as settings.yaml's hooktest-suffix would
-    (ext,) = extensions.load_extensions(["hooktest"])
-    assert ext.active and ext.params["suffix"] == "?!" and ext.display_name == "Hook test"
+    ext, api = extensions.load_extensions(["hooktest", "openai"])
+    assert ext.active and ext.params["suffix"] == "?!" and ext.display_name == "Hook test" and api.active
     models.load_model(DEFAULT_MODEL)
     assert ext.module.seen == ["setup"]
     ext.module.seen.clear()
@@ -222,6 +222,15 @@ def test_every_hook_runs_on_a_real_generation(with_default_model: Path, user_dat
 
     client = TestClient(create_app())
     assert "state_modifier" in client.get("/v1/hooktest").json()["seen"]
+    ext.module.seen.clear()
+    completion = client.post("/v1/completions", json={"prompt": "Q: CAPITAL?\nA: The capital of France is"})
+    assert completion.status_code == 200, completion.text
+    assert "input_modifier" in ext.module.seen  # /v1/completions' raw prompt goes through the text hooks too
+    assert "Paris" in completion.json()["choices"][0]["text"]  # steered by input_modifier (the API: model's text)
+    magic_api = client.post("/v1/completions", json={"prompt": "MAGIC words", "max_tokens": 20}).json()
+    assert magic_api["choices"][0]["text"] == "abracadabra"  # custom_generate_reply
+    tokmod = client.post("/v1/completions", json={"prompt": "TOKMOD", "max_tokens": 5}).json()
+    assert "Paris" in tokmod["choices"][0]["text"]  # tokenizer_modifier's ids
     page = client.get("/")
     assert page.status_code == 200
     config = client.get("/config").text
