@@ -59,6 +59,7 @@ def create_app() -> FastAPI:
             ssr_mode=False,
             show_error=True,
             allowed_paths=[str(images_dir())],  # pictures attached to chat messages (random names)
+            max_file_size=int(shared.settings.max_upload_mb * 2**20),
         )
     return app
 

@@ -187,6 +187,12 @@ class Settings(BaseModel):
         description="Largest API request body in MiB; a bigger one is answered 413 before it is read "
         "(the web UI's uploads are not affected).",
     )
+    max_upload_mb: float = Field(
+        100,
+        gt=0,
+        description="Largest file the web UI accepts in one upload (chat pictures, histories, characters, "
+        "notebooks), in MiB; a bigger one is refused with a message before it is stored.",
+    )
     gradio_auth: str | None = Field(None, description="Web UI logins as 'user:password' pairs separated by commas.")
     gradio_auth_path: Path | None = Field(None, description="File with one 'user:password' per line, for the web UI.")
     gradio_admin: list[str] = Field(
@@ -315,6 +321,7 @@ _SECURITY_NAMES = (
     "multi_user",
     "verbose",
     "max_request_mb",
+    "max_upload_mb",
 )
 
 

@@ -1,5 +1,5 @@
 """Oversized API requests are refused at once (413 for big bodies, 400 for prompts that cannot fit), and the server
-keeps answering other clients meanwhile; the web UI's uploads keep Gradio's own limits."""
+keeps answering other clients meanwhile; the web UI's uploads have their own limit (--max-upload-mb)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,22 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """A live server with the web UI, the default model, a 24 MiB body limit and a 2048-token context."""
+    """A live server with the web UI, the default model, a 24 MiB body limit, 40 MiB uploads and a 2048-token
+    context."""
     tmp = tmp_path_factory.mktemp("limits")
-    server = LiveServer(["--user-data-dir", str(tmp / "user_data"), "--max-request-mb", "24", "--n-ctx", "2048"], tmp)
+    server = LiveServer(
+        [
+            "--user-data-dir",
+            str(tmp / "user_data"),
+            "--max-request-mb",
+            "24",
+            "--max-upload-mb",
+            "40",
+            "--n-ctx",
+            "2048",
+        ],
+        tmp,
+    )
     try:
         server.wait_ready()
         yield server
@@ -176,6 +189,16 @@ def test_the_web_ui_uploads_are_not_held_to_the_api_limit(server: LiveServer) ->
     )
     assert response.status_code == 200, response.text[:500]
     assert response.json()[0].endswith("big.bin")
+
+
+def test_a_web_ui_upload_over_max_upload_mb_is_refused(server: LiveServer) -> None:
+    data = b"\0" * (48 * 2**20)  # over --max-upload-mb 40
+    response = httpx.post(
+        server.url + "/gradio_api/upload", files={"files": ("huge.bin", data, "application/octet-stream")}, timeout=60
+    )
+    assert response.status_code == 413, response.text[:500]
+    assert "40" in response.text or "size" in response.text.lower()
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_a_20_mb_chat_message_is_refused_quickly(server: LiveServer) -> None:
