@@ -266,8 +266,8 @@ def _plan_transformers(plan: Plan, analysis: Analysis, hw: Hardware, parallel: i
     chosen: tuple[dict[str, Any], str] | None = None
     expected = None
     # each of the parallel sequences may fill its context: the best dtype for all of them, else for one
-    for slots in dict.fromkeys((parallel, 1)):
-        for values, reason in candidates:
+    for values, reason in candidates:  # the best quality first; for each, every chat's context, else one
+        for slots in dict.fromkeys((parallel, 1)):
             expected = estimate(analysis, "transformers", {"n_ctx": n_ctx, "parallel": slots, **values, "_gpu": gpu})
             if expected is None or (expected.gpu if gpu else expected.ram) <= budget:
                 chosen = (values, reason)
@@ -288,8 +288,8 @@ def _plan_transformers(plan: Plan, analysis: Analysis, hw: Hardware, parallel: i
         Choice(
             "parallel",
             slots,
-            f"{slots} chats can generate at once, each with its context"
-            if slots == parallel
+            (f"{slots} chats can generate at once, each with its context" if slots > 1 else "1 chat at a time")
+            if slots == parallel or not plan.fits
             else f"1 chat at a time: {parallel} full contexts do not fit beside the weights",
         )
     )

@@ -145,3 +145,16 @@ def test_a_transformers_plan_counts_the_context_of_every_parallel_chat(tmp_path:
         llama, machine(four.ram * 1.05 / smart_config.RAM_SHARE / GiB, bnb=False), parallel=4
     )
     assert roomy.options()["parallel"] == 4 and roomy.memory is not None and roomy.memory.kv_cache == four.kv_cache
+
+
+def test_a_transformers_plan_keeps_quality_before_parallel(tmp_path: Path) -> None:
+    llama = config_only(tmp_path, LLAMA_3_8B)
+    n_ctx = smart_config._context(llama, smart_config.CTX_CAP)[0]
+    bf16 = {"n_ctx": n_ctx, "dtype": "bfloat16", "cpu": True}
+    one = smart_config.estimate(llama, "transformers", {**bf16, "parallel": 1})
+    four = smart_config.estimate(llama, "transformers", {**bf16, "parallel": 4})
+    assert one is not None and four is not None
+    # with bitsandbytes, 4-bit with four contexts would fit too: bfloat16 with one is the better plan
+    tight = machine((one.ram + four.ram) / 2 / smart_config.RAM_SHARE / GiB, bnb=True)
+    options = smart_config.make_plan(llama, tight, parallel=4).options()
+    assert options["dtype"] == "bfloat16" and options["parallel"] == 1 and "load_in_4bit" not in options
