@@ -168,17 +168,7 @@ class SideContext:
     def _embed_chunk(self, start: int, tokens: list[int]) -> tuple[np.ndarray, int]:
         """Decode the next chunk of ``tokens`` from ``start`` (after the ones before it): the sum of its tokens'
         embeddings, and how many it took."""
-        ctx, holder = self.context()
-        if start == 0:
-            ctx.kv_cache_clear()
-        chunk = self._chunk(start, tokens)
-        batch = holder.batch
-        for j, token in enumerate(chunk):
-            batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
-            batch.seq_id[j][0], batch.logits[j] = 0, True
-        batch.n_tokens = len(chunk)
-        if llama_cpp.llama_decode(ctx.ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed while embedding")
+        ctx, chunk = self._decode_chunk(start, tokens, lambda _: True, "embedding")
         rows = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings(ctx.ctx), shape=(len(chunk), self.model.n_embd()))
         return rows.sum(axis=0, dtype=np.float64), len(chunk)
 
@@ -207,24 +197,28 @@ class SideContext:
                 if version == self.version:
                     return out
 
-    def _chunk(self, start: int, tokens: list[int]) -> list[int]:
-        """The tokens of ``tokens`` from ``start`` that this decode takes (the budget, asked now)."""
-        return tokens[start : start + max(1, min(self.n_batch, self.budget()))]
+    def _decode_chunk(
+        self, start: int, tokens: list[int], output: Callable[[int], bool], what: str
+    ) -> tuple[LlamaContext, list[int]]:
+        """Decode the next chunk of ``tokens`` from ``start`` (as many as the budget allows now; the cache is
+        emptied at the first), with outputs where ``output(position)``; the context and the chunk."""
+        ctx, holder = self.context()
+        if start == 0:
+            ctx.kv_cache_clear()
+        chunk = tokens[start : start + max(1, min(self.n_batch, self.budget()))]
+        batch = holder.batch
+        for j, token in enumerate(chunk):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
+            batch.seq_id[j][0], batch.logits[j] = 0, output(start + j)
+        batch.n_tokens = len(chunk)
+        if llama_cpp.llama_decode(ctx.ctx, batch) != 0:
+            raise RuntimeError(f"llama_decode failed while {what}")
+        return ctx, chunk
 
     def _score_chunk(
         self, start: int, tokens: list[int], rows: set[int], n_vocab: int
     ) -> tuple[dict[int, np.ndarray], int]:
-        ctx, holder = self.context()
-        if start == 0:
-            ctx.kv_cache_clear()
-        chunk = self._chunk(start, tokens)
-        batch = holder.batch
-        for j, token in enumerate(chunk):
-            batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
-            batch.seq_id[j][0], batch.logits[j] = 0, (start + j) in rows
-        batch.n_tokens = len(chunk)
-        if llama_cpp.llama_decode(ctx.ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed while scoring")
+        ctx, chunk = self._decode_chunk(start, tokens, rows.__contains__, "scoring")
         out: dict[int, np.ndarray] = {}
         for j in range(len(chunk)):
             if start + j in rows:
