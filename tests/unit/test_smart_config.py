@@ -127,13 +127,19 @@ def test_a_broken_config_is_a_clear_error(tmp_path: Path, bad: str) -> None:
     assert result.returncode == 1 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
 
 
-def test_a_transformers_plan_counts_the_context_of_every_parallel_chat(tmp_path: Path) -> None:
+def llama_bf16_one_and_four(tmp_path: Path) -> tuple[analyzer.Analysis, memory.MemoryEstimate, memory.MemoryEstimate]:
+    """Llama 3 8B and its bfloat16 estimates on the CPU with one and with four full contexts."""
     llama = config_only(tmp_path, LLAMA_3_8B)
     n_ctx = smart_config._context(llama, smart_config.CTX_CAP)[0]
     bf16 = {"n_ctx": n_ctx, "dtype": "bfloat16", "cpu": True}
     one = smart_config.estimate(llama, "transformers", {**bf16, "parallel": 1})
     four = smart_config.estimate(llama, "transformers", {**bf16, "parallel": 4})
     assert one is not None and four is not None
+    return llama, one, four
+
+
+def test_a_transformers_plan_counts_the_context_of_every_parallel_chat(tmp_path: Path) -> None:
+    llama, one, four = llama_bf16_one_and_four(tmp_path)
     assert four.kv_cache == 4 * one.kv_cache > 0 and four.weights == one.weights
     # bfloat16 with one full context fits, with four it does not: one chat at a time, at full quality
     tight = machine((one.ram + four.ram) / 2 / smart_config.RAM_SHARE / GiB, bnb=False)
@@ -148,12 +154,7 @@ def test_a_transformers_plan_counts_the_context_of_every_parallel_chat(tmp_path:
 
 
 def test_a_transformers_plan_keeps_quality_before_parallel(tmp_path: Path) -> None:
-    llama = config_only(tmp_path, LLAMA_3_8B)
-    n_ctx = smart_config._context(llama, smart_config.CTX_CAP)[0]
-    bf16 = {"n_ctx": n_ctx, "dtype": "bfloat16", "cpu": True}
-    one = smart_config.estimate(llama, "transformers", {**bf16, "parallel": 1})
-    four = smart_config.estimate(llama, "transformers", {**bf16, "parallel": 4})
-    assert one is not None and four is not None
+    llama, one, four = llama_bf16_one_and_four(tmp_path)
     # with bitsandbytes, 4-bit with four contexts would fit too: bfloat16 with one is the better plan
     tight = machine((one.ram + four.ram) / 2 / smart_config.RAM_SHARE / GiB, bnb=True)
     options = smart_config.make_plan(llama, tight, parallel=4).options()
