@@ -191,6 +191,16 @@ def recommended_sampling() -> tuple[dict[str, Any], str]:
     return dict(backend.metadata.sampling), str(backend.metadata.extra.get("sampling_source", ""))
 
 
+def default_system_message() -> tuple[str, str]:
+    """The loaded model's default system message (``system_message:`` in models_settings.yaml or its textgen.yaml)
+    and where it came from; empty if none. Instruct-mode chats that send no system message get it (the API and
+    the UI alike); a request's own system message wins."""
+    backend = shared.model
+    if backend is None or not backend.metadata.extra.get("system_message"):
+        return "", ""
+    return str(backend.metadata.extra["system_message"]), str(backend.metadata.extra.get("system_message_source", ""))
+
+
 def unload_model() -> None:
     """Unload the current model (if any) and free its memory."""
     with shared.model_lock:
@@ -339,6 +349,9 @@ def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
         for key in ("instruction_template", "chat_template"):
             if key in resolved.extra:
                 backend.metadata.extra[key] = resolved.extra[key]
+        if resolved.extra.get("system_message"):
+            backend.metadata.extra["system_message"] = str(resolved.extra["system_message"])
+            backend.metadata.extra["system_message_source"] = resolved.sources.get("system_message", "")
         backend.metadata.sampling = dict(resolved.extra.get("sampling", {}))
         backend.metadata.extra["sampling_source"] = resolved.sources.get("sampling", "")
         shared.model, shared.model_name, shared.model_options = backend, info.name, dict(resolved.options)

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CTX_CAP = 4096
 MODEL_YAML = "textgen.yaml"
 # Keys allowed in per-model settings that are not server settings.
-MODEL_ONLY_KEYS = ("instruction_template", "chat_template", "preset", "sampling")
+MODEL_ONLY_KEYS = ("instruction_template", "chat_template", "preset", "sampling", "system_message")
 
 
 @dataclass

@@ -88,6 +88,14 @@ class Settings(BaseModel):
         "speculative decoding checks, instead of prompt lookup: a path, or a file or folder name under models/.",
     )
     draft_max: int = Field(16, ge=1, le=64, description="llama.cpp: most draft tokens per sequence and step.")
+    draft_min: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="llama.cpp: fewest draft tokens per sequence and step whenever prompt lookup or the draft model "
+        "has a guess, whatever the planner expects them to gain (0: the planner alone decides). For machines where "
+        "its cost fit is wrong, and for testing the speculation path on any CPU; the output is unchanged.",
+    )
     amx: bool = Field(
         False,
         description="llama.cpp: use the engine's AMX matrix path where the build has one (Intel Sapphire Rapids and "

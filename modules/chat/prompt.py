@@ -121,6 +121,17 @@ def _transcript(history: list[Message], character: Character, user: str, open_re
     return "".join(lines)
 
 
+def _system(backend: Backend, options: ChatOptions, history: list[Message]) -> list[Message]:
+    """The system message an instruct prompt starts with: the chat's own, else (when the history has none either)
+    the model's default ``system_message`` from its per-model settings, else none (the template's own default)."""
+    if options.system:
+        return [{"role": "system", "content": options.system}]
+    default = backend.metadata.extra.get("system_message")
+    if default and not any(m.get("role") == "system" for m in history):
+        return [{"role": "system", "content": str(default)}]
+    return []
+
+
 def _builder(
     backend: Backend, options: ChatOptions
 ) -> tuple[Callable[[list[Message]], str], list[str], Character | None]:
@@ -130,9 +141,9 @@ def _builder(
     extra = options.template_kwargs
     if options.mode == "instruct":
         template = instruction_template(backend, options.instruction_template)
-        system = [{"role": "system", "content": options.system}] if options.system else []
 
         def build_instruct(history: list[Message]) -> str:
+            system = _system(backend, options, history)
             messages = system + [_with_image_parts(m) for m in history]
             if options.continue_last and history and history[-1]["role"] == "assistant":
                 return _continue(backend, template, messages, **extra)
@@ -297,12 +308,11 @@ def build_impersonate_prompt(
     """A prompt where the model writes the user's next message, and the stop strings that end it."""
     if options.mode == "instruct":
         template = instruction_template(backend, options.instruction_template)
-        system = [{"role": "system", "content": options.system}] if options.system else []
 
         def build_instruct(kept: list[Message]) -> str:
             text = render_messages(
                 backend,
-                [*system, *kept, {"role": "user", "content": _MARKER}],
+                [*_system(backend, options, kept), *kept, {"role": "user", "content": _MARKER}],
                 template=template,
                 add_generation_prompt=False,
             )

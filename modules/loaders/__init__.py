@@ -41,6 +41,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "speculative",
         "draft_model",
         "draft_max",
+        "draft_min",
         "amx",
     ),
     "transformers": (

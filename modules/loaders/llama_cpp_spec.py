@@ -148,6 +148,15 @@ def best_length(
     return best, best_gain
 
 
+def expected_gain(rates: list[float]) -> float:
+    """The draft tokens a draft is expected to yield, given each depth's chance to hold when the ones before did."""
+    reach, gain = 1.0, 0.0
+    for rate in rates:
+        reach *= rate
+        gain += reach
+    return gain
+
+
 class StepCost:
     """Step time ``base + per_token * tokens``, plus ``switch`` for a step of another size than the one before
     (llama.cpp then builds a new compute graph: ~2.2 ms here, a fifth of a one-token step), in seconds, fitted to
@@ -214,8 +223,11 @@ class Work:
 class Speculator:
     """Chooses and makes the drafts of one step, for every decoding sequence."""
 
-    def __init__(self, cost: StepCost, draft_max: int, draft_model: DraftModel | None = None) -> None:
+    def __init__(
+        self, cost: StepCost, draft_max: int, draft_model: DraftModel | None = None, draft_min: int = 0
+    ) -> None:
         self.cost, self.draft_max, self.draft_model = cost, draft_max, draft_model
+        self.draft_min = min(draft_min, draft_max)  # drafts of at least this many whenever there is a guess
         self.drafted = 0  # totals for /metrics
         self.accepted = 0
 
@@ -243,6 +255,9 @@ class Speculator:
             rates = state.acceptance.setdefault(state.source, Acceptance()).rates(limit)
             switch = (len(work) + total, self.cost.last, self.cost.switch)
             k, gain = best_length(rates, limit, step_tokens, step_time, per_token, switch)
+            if k < self.draft_min:  # drafting forced on (--draft-min): the planner's estimate is overruled
+                k = min(self.draft_min, limit)
+                gain = expected_gain(rates[:k])
             if k == 0 and candidate is None:  # a draft model's guess is not free to check: probe now and then
                 state.idle += 1
                 if state.idle >= PROBE_EVERY:
@@ -434,7 +449,8 @@ def start_speculation(
         "Speculative decoding on (%s)",
         f"draft model {draft_path(options['draft_model']).name}" if draft else "prompt lookup",
     )
-    return Speculator(StepCost(), int(options.get("draft_max") or 16), draft)
+    draft_max = int(options.get("draft_max") or 16)
+    return Speculator(StepCost(), draft_max, draft, int(options.get("draft_min") or 0))
 
 
 def draft_path(value: str | Path) -> Path:

@@ -211,7 +211,7 @@ def build() -> ChatUI:
             )
         system = gr.Textbox(
             value=str(shared.ui_defaults.get("system_message", DEFAULT_SYSTEM_MESSAGE)),
-            label="System message (instruct mode; empty: the model's own default)",
+            label="System message (instruct mode; empty: the model's default system message, see the Model tab)",
             lines=2,
             elem_id="system-message",
         )

@@ -26,7 +26,11 @@ def status_text() -> str:
     if shared.model is not None:
         loader = shared.model_options.get("loader", shared.model.loader_name)
         loras = f", LoRAs: {', '.join(shared.loras)}" if shared.loras else ""
-        return f"Loaded **{shared.model_name}** ({loader}, context {shared.model.context_length}{loras})"
+        text = f"Loaded **{shared.model_name}** ({loader}, context {shared.model.context_length}{loras})"
+        system, source = models.default_system_message()
+        if system:
+            text += f"\n\nDefault system message (from {source}): *{system}*"
+        return text
     if shared.load_error:
         return f"No model loaded. Last error: {shared.load_error}"
     return "No model loaded."

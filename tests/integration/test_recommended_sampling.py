@@ -77,3 +77,45 @@ def test_models_settings_sampling_reaches_the_page_and_the_api(
     assert chosen.temperature == 0.9 and chosen.top_k == 0  # type: ignore[attr-defined]
     models.unload_model()
     assert params().temperature == 1.0 and models.recommended_sampling() == ({}, "")  # type: ignore[attr-defined]
+
+
+def test_the_default_system_message_reaches_instruct_chats_that_send_none(
+    with_default_model: Path, user_data: Path
+) -> None:
+    from extensions.openai import anthropic, ollama
+    from modules.chat.engine import stream_reply
+    from modules.chat.prompt import ChatOptions
+    from modules.generation.params import GenerationParams
+    from modules.ui import model_tab
+
+    shipped = Path(__file__).parents[2] / "user_data" / "models_settings.yaml"
+    (user_data / "models_settings.yaml").write_text(shipped.read_text())  # the entry the project ships
+    models.load_model(DEFAULT_MODEL)
+    system, source = models.default_system_message()
+    assert system == "You are a helpful AI assistant." and source == "models_settings.yaml [SmolLM2-135M-Instruct]"
+    assert "Default system message (from models_settings.yaml [SmolLM2-135M-Instruct])" in model_tab.status_text()
+    said = f"<|im_start|>system\n{system}<|im_end|>"
+
+    def prompt(messages: list[dict[str, str]]) -> str:
+        return core.prepare_chat(ChatCompletionRequest(messages=messages, temperature=0), shared.model).prompt
+
+    question = {"role": "user", "content": "What is the capital of France?"}
+    assert said in prompt([question])  # a newcomer's first API call
+    own = prompt([{"role": "system", "content": "Answer in one word."}, question])
+    assert "Answer in one word." in own and system not in own  # the request's own system message wins
+    assert system not in prompt([{"role": "developer", "content": "Be terse."}, question])
+    # Anthropic's and Ollama's system fields are the request's own too
+    req = anthropic.MessagesRequest.model_validate(
+        {"model": "x", "max_tokens": 8, "system": "Answer in one word.", "messages": [question]}
+    )
+    assert system not in core.prepare_chat(anthropic.to_chat(req), shared.model).prompt
+    req = anthropic.MessagesRequest.model_validate({"model": "x", "max_tokens": 8, "messages": [question]})
+    assert said in core.prepare_chat(anthropic.to_chat(req), shared.model).prompt
+    generate = ollama.GenerateRequest.model_validate({"model": "x", "prompt": "Hi", "system": "Be terse."})
+    assert system not in core.prepare_chat(ollama._generate_chat_request(generate), shared.model).prompt
+    # the chat page with its system box emptied gets it too
+    params = GenerationParams(temperature=0, max_new_tokens=24)
+    *_, last = stream_reply([question], params, options=ChatOptions(mode="instruct", system=""))
+    assert "Paris" in last.history[-1]["content"]  # with the system message the greedy answer holds on both CPUs
+    models.unload_model()
+    assert models.default_system_message() == ("", "")
