@@ -19,6 +19,7 @@ from modules import extensions, fileio, models, shared
 from modules.errors import TextgenError
 from modules.logging_setup import setup_logging
 from modules.settings import SettingsError, load_settings
+from modules.web_guard import API_PREFIXES, WebOriginGuard
 
 log = logging.getLogger("textgen")
 
@@ -61,6 +62,14 @@ def create_app() -> FastAPI:
             allowed_paths=[str(images_dir())],  # pictures attached to chat messages (random names)
             max_file_size=int(shared.settings.max_upload_mb * 2**20),
         )
+    settings = shared.settings
+    declared = [settings.listen_host] if settings.listen_host else []
+    app.add_middleware(  # outermost: before the web UI and the API see anything
+        WebOriginGuard,
+        allowed_hosts=lambda: [*declared, *shared.settings.allowed_hosts],
+        cors_origins=lambda: list(shared.settings.api_cors_origins),
+        json_route=lambda path: path.startswith(API_PREFIXES),
+    )
     return app
 
 

@@ -23,6 +23,8 @@ from urllib.parse import urljoin
 from modules.errors import InvalidRequest
 
 MAX_BYTES = 20 * 2**20
+MAX_PIXELS = 4096 * 4096  # 16.8 M pixels (64 MiB as RGB); a 20 MiB PNG can otherwise decode to ~178 M pixels
+NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))  # RFC 6052, RFC 8215
 FETCH_DEADLINE = 15.0  # seconds for a whole remote fetch, every redirect and byte included
 MAX_REDIRECTS = 3
 REDIRECTS = (301, 302, 303, 307, 308)
@@ -41,8 +43,14 @@ def _open(data: bytes, param: str) -> Any:
         raise InvalidRequest(f"the image is larger than {MAX_BYTES // 2**20} MiB", param=param)
     try:
         image = Image.open(io.BytesIO(data))
+        width, height = image.size  # read from the header: nothing is decoded yet
+        if width * height > MAX_PIXELS:
+            raise InvalidRequest(
+                f"the image is {width}x{height} pixels; at most {MAX_PIXELS // 2**20} M pixels are accepted",
+                param=param,
+            )
         image.load()
-    except (UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise InvalidRequest(f"not an image: {exc}", param=param) from exc
     return image.convert("RGB")
 
@@ -87,6 +95,8 @@ def is_public_address(address: IPAddress) -> bool:
     """
     if isinstance(address, ipaddress.IPv6Address):
         inner = address.ipv4_mapped or address.sixtofour or (address.teredo[1] if address.teredo else None)
+        if inner is None and any(address in net for net in NAT64):  # a NAT64 gateway reaches the IPv4 in its tail
+            inner = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
         if inner is not None and not is_public_address(inner):
             return False
     return address.is_global and not (

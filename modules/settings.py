@@ -176,6 +176,12 @@ class Settings(BaseModel):
         "a request's model field, the image pipeline). It does not default to --api-key: with --api-key and no "
         "--admin-key the admin endpoints answer 403. Without any key the API is open.",
     )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host names the server may be reached by, besides IP addresses, localhost, *.localhost and "
+        "--listen-host (a guard against DNS rebinding: a request for another name is answered 403). For a reverse "
+        "proxy or a LAN name, e.g. --allowed-hosts textgen.lan; .example.org allows every name under it; * any.",
+    )
     api_cors_origins: list[str] = Field(
         default_factory=list, description="Origins allowed to call the API from a browser (CORS). Default: none."
     )
@@ -439,7 +445,7 @@ def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | No
     from_file = tgw_compat.cmd_flags(user_data)
     args, notes = tgw_compat.translate([*from_file, *given])  # the command line wins over CMD_FLAGS.txt
     if from_file:
-        notes.insert(0, f"read {' '.join(from_file)} from {user_data / tgw_compat.CMD_FLAGS}")
+        notes.insert(0, f"read {tgw_compat.redacted(from_file)} from {user_data / tgw_compat.CMD_FLAGS}")
     cli = vars(parser.parse_args(args))
     settings_file = cli.pop("settings", None)
     user_data = Path(cli.get("user_data_dir") or env.get(ENV_PREFIX + "USER_DATA_DIR") or "user_data")

@@ -81,6 +81,24 @@ def cmd_flags(user_data: Path) -> list[str]:
     return flags
 
 
+SECRET_FLAG_ENDINGS = ("-key", "_key", "-token", "_token", "-auth", "_auth", "-password", "_password")
+
+
+def redacted(args: Sequence[str]) -> str:
+    """``args`` for a log line, with the values of secret flags (keys, tokens, --gradio-auth) shown as ``***``."""
+    shown: list[str] = []
+    hide = False
+    for arg in args:
+        if arg.startswith("--"):
+            name, eq, _ = arg.partition("=")
+            secret = name.endswith(SECRET_FLAG_ENDINGS)
+            shown.append(f"{name}=***" if eq and secret else arg)
+            hide = secret and not eq
+        else:
+            shown.append("***" if hide else arg)
+    return " ".join(shown)
+
+
 def _takes_values(args: Sequence[str], i: int) -> int:
     """How many values follow the flag at ``i`` (up to the next flag)."""
     n = 0

@@ -116,7 +116,11 @@ def output_modifier(string: str, state: dict[str, Any], is_chat: bool = False) -
 def api_routes(app: Any) -> None:
     """Add HTTP routes to the server (before the web UI is mounted)."""
 
-    @app.get("/v1/example/hooks")
+    from fastapi import Depends
+
+    from extensions.openai.auth import require_key
+
+    @app.get("/v1/example/hooks", dependencies=[Depends(require_key)])  # routes under /v1 take the API key
     def hooks_called() -> dict[str, list[str]]:
         return {"calls": calls[-50:]}
 

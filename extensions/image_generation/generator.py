@@ -28,7 +28,7 @@ MAX_PIXELS = 1024 * 1024  # width x height
 
 @dataclass
 class Picture:
-    """A generated image saved under user_data/cache/images."""
+    """A generated image saved under user_data/cache/chat-images/generated."""
 
     id: str
     path: Path
@@ -42,8 +42,11 @@ def pipelines() -> list[str]:
 
 
 def images_dir() -> Path:
-    """Where generated images are kept."""
-    return shared.user_data_dir() / "cache" / "images"
+    """Where generated images are kept: beside the chat's pictures, so the web UI shows them through its own file
+    route (which --gradio-auth guards) and the API's /v1/images/files needs the API key."""
+    from modules.chat.history import images_dir as chat_images
+
+    return chat_images() / "generated"
 
 
 def image_path(name: str) -> Path:

@@ -70,7 +70,9 @@ def custom_generate_reply(
         pictures = generate(
             prompt, _model(), width=int(params["width"]), height=int(params["height"]), steps=int(params["steps"])
         )
-        yield "\n".join(f"![{prompt}](/v1/images/files/{p.id}.png)" for p in pictures)
+        from extensions.image_generation.generator import image_path
+
+        yield "\n".join(f"![{prompt}](/gradio_api/file={image_path(p.id + '.png')})" for p in pictures)
 
     return reply()
 
@@ -133,7 +135,7 @@ def api_routes(app: Any) -> None:
         ]
         return {"created": int(time.time()), "data": [{**d, "revised_prompt": body["prompt"]} for d in data]}
 
-    @app.get("/v1/images/files/{name}")
+    @app.get("/v1/images/files/{name}", dependencies=[Depends(require_key)])
     async def images_file(name: str) -> FileResponse:
         path = generator.image_path(name)
         if not path.is_file():

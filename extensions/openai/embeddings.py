@@ -47,8 +47,11 @@ async def create(req: EmbeddingRequest, request: Request) -> dict[str, Any]:
     )
     if use_loaded:
         assert backend is not None
-        vectors = await anyio.to_thread.run_sync(backend.embed, texts)
-        tokens = sum(len(backend.encode(t)) for t in texts)
+
+        def embed() -> tuple[list[list[float]], int]:  # tokenizing a big input too: never on the event loop
+            return backend.embed(texts), sum(len(backend.encode(t)) for t in texts)
+
+        vectors, tokens = await anyio.to_thread.run_sync(embed)
         name = shared.model_name or ""
     else:
         result = await anyio.to_thread.run_sync(ENCODER.encode, texts)

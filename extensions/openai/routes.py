@@ -33,10 +33,7 @@ from extensions.openai.limits import BodySizeLimit
 from extensions.openai.metrics import METRICS
 from extensions.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from modules import shared
-
-API_PREFIXES = (
-    "/v1/", "/chat/", "/completions", "/embeddings", "/models", "/responses", "/messages", "/metrics", "/api/",
-)  # fmt: skip
+from modules.web_guard import API_PREFIXES
 
 
 def _router() -> APIRouter:

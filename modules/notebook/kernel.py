@@ -99,9 +99,20 @@ def exposure_warning() -> str | None:
     )
 
 
+# What a kernel inherits from the server's environment: what a Python process needs to run and find its files, and
+# nothing that may be a secret (HF_TOKEN, TEXTGEN_*, cloud credentials, API keys): code cells are admin work, but
+# their output is shown and saved in notebooks.
+KERNEL_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TERM", "TZ", "TMPDIR", "TEMP", "TMP", "SHELL",
+    "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "SYSTEMROOT", "COMSPEC", "PATHEXT", "WINDIR",
+    "LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "OMP_NUM_THREADS",
+    "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "MKL_NUM_THREADS", "HF_HUB_OFFLINE", "HF_HOME", "XDG_CACHE_HOME",
+)  # fmt: skip
+
+
 def kernel_env() -> dict[str, str]:
-    """The kernel's environment: the server's, without textgen's own settings (keys among them)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
+    """The kernel's environment: the harmless part of the server's (:data:`KERNEL_ENV` and ``LC_*``), no secrets."""
+    env = {k: v for k, v in os.environ.items() if k in KERNEL_ENV or k.startswith("LC_")}
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
     env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
     return env
@@ -348,14 +359,14 @@ class KernelRegistry:
         with self._lock:
             return list(self._sessions.values())
 
-    def close_session(self, session: str) -> int:
-        """Shut down the kernels of a browser session that ended; returns how many."""
+    def close_session(self, user: str, session: str) -> int:
+        """Shut down the kernel of this user's browser session that ended (another user's kernel of the same
+        session hash is not theirs to end); returns how many."""
         with self._lock:
-            keys = [k for k in self._sessions if k[1] == session]
-            found = [self._sessions.pop(k) for k in keys]
-        for kernel in found:
-            kernel.shutdown()
-        return len(found)
+            found = self._sessions.pop((user, session), None)
+        if found is not None:
+            found.shutdown()
+        return int(found is not None)
 
     def shutdown_idle(self) -> int:
         """Shut down kernels idle for longer than their limit; returns how many."""

@@ -7,7 +7,6 @@ import base64
 import binascii
 import html
 import re
-from html.parser import HTMLParser
 from typing import Any
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -17,7 +16,6 @@ ALLOWED_TAGS = {
     "h1", "h2", "h3", "h4", "h5", "h6", "hr", "i", "kbd", "li", "ol", "p", "pre", "s", "samp", "small", "span",
     "strong", "sub", "sup", "table", "tbody", "td", "tfoot", "th", "thead", "tr", "tt", "u", "ul",
 }  # fmt: skip
-VOID_TAGS = {"br", "col", "hr"}
 DROP_WITH_CONTENT = {"script", "style", "iframe", "object", "embed", "template", "noscript", "svg", "math", "title"}
 ALLOWED_ATTRS = {"class", "colspan", "rowspan", "align", "valign", "border", "title", "scope"}
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif")
@@ -29,58 +27,19 @@ def strip_ansi(text: str) -> str:
     return ANSI.sub("", text)
 
 
-class _AllowList(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.out: list[str] = []
-        self.dropping: list[str] = []
-        self.open: list[str] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if self.dropping or tag in DROP_WITH_CONTENT:
-            if tag not in VOID_TAGS:
-                self.dropping.append(tag)
-            return
-        if tag not in ALLOWED_TAGS:
-            return
-        kept = "".join(
-            f' {name}="{html.escape(value or "", quote=True)}"' for name, value in attrs if name in ALLOWED_ATTRS
-        )
-        self.out.append(f"<{tag}{kept}>")
-        if tag not in VOID_TAGS:
-            self.open.append(tag)
-
-    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        self.handle_starttag(tag, attrs)
-        if tag not in VOID_TAGS and not self.dropping and self.open and self.open[-1] == tag:
-            self.handle_endtag(tag)
-
-    def handle_endtag(self, tag: str) -> None:
-        if self.dropping:
-            if tag == self.dropping[-1]:
-                self.dropping.pop()
-            return
-        if tag in self.open:
-            while self.open:
-                closing = self.open.pop()
-                self.out.append(f"</{closing}>")
-                if closing == tag:
-                    break
-
-    def handle_data(self, data: str) -> None:
-        if not self.dropping:
-            self.out.append(html.escape(data, quote=False))
-
-    def result(self) -> str:
-        self.close()
-        return "".join(self.out) + "".join(f"</{tag}>" for tag in reversed(self.open))
-
-
 def sanitize_html(text: str) -> str:
-    """HTML with only plain formatting and table tags; scripts, styles, handlers and links' targets removed."""
-    parser = _AllowList()
-    parser.feed(text)
-    return parser.result()
+    """HTML with only plain formatting and table tags (nh3, the Ammonia sanitizer): scripts, styles, handlers,
+    links' targets and comments removed; the content of script-like tags dropped with them."""
+    import nh3
+
+    return nh3.clean(
+        text,
+        tags=ALLOWED_TAGS,
+        attributes={"*": ALLOWED_ATTRS},
+        clean_content_tags=DROP_WITH_CONTENT,
+        link_rel=None,
+        strip_comments=True,
+    )
 
 
 def _text(value: Any) -> str:

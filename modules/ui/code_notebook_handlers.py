@@ -169,7 +169,7 @@ def restart(request: gr.Request) -> str:
 def end_session(request: gr.Request) -> None:
     """The browser session ended (tab closed or reloaded): its kernel stops."""
     if request is not None and request.session_hash:
-        kernel.registry.close_session(request.session_hash)
+        kernel.registry.close_session(*_owner(request))
 
 
 def names(request: Any) -> list[str]:

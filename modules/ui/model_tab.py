@@ -67,6 +67,10 @@ def _option_component(name: str) -> Any:
         return gr.Number(
             value=value, label=name, info=info.description, precision=0 if int in kind else None, elem_id=f"opt-{name}"
         )
+    if name.endswith("_key"):  # a secret is never put into a visitor's page: empty keeps the server's own
+        placeholder = "set on the server (hidden); type here to use another" if value else ""
+        return gr.Textbox(value="", type="password", placeholder=placeholder, label=name, info=info.description,
+                          elem_id=f"opt-{name}")  # fmt: skip
     return gr.Textbox(
         value="" if value is None else str(value), label=name, info=info.description, elem_id=f"opt-{name}"
     )

@@ -271,7 +271,7 @@ def _app_with(flags: list[str], user_data: Path, models_dir: Path, exts: tuple[s
     base = ["--user-data-dir", str(user_data), "--model-dir", str(models_dir), "--model", "none", "--nowebui"]
     shared.init(load_settings([*base, *flags], env={}))
     extensions.load_extensions(list(exts))
-    return TestClient(create_app())
+    return TestClient(create_app(), base_url="http://127.0.0.1")
 
 
 USER = {"Authorization": "Bearer sk-user"}
@@ -435,6 +435,16 @@ def test_image_generation_bounds_and_pipeline_switch(hub: object, user_data: Pat
     assert client.post(url, json={**body, "model": "no-such"}, headers=USER).status_code == 403
     assert client.post(url, json={**body, "model": "tiny-b"}, headers=ADMIN).status_code == 200
     assert client.post(url, json={**body, "model": "tiny-b"}, headers=USER).status_code == 200  # now in use
+    made = client.post(url, json={**body, "response_format": "url"}, headers=USER).json()["data"][0]["url"]
+    path = "/v1/images/files/" + made.rsplit("/", 1)[1]
+    assert client.get(path).status_code == 401  # the picture needs the key like the request that made it
+    assert client.get(path, headers=USER).headers["content-type"] == "image/png"
+
+
+def test_extension_routes_under_v1_take_the_api_key(hub: object, user_data: Path, models_dir: Path) -> None:
+    client = _app_with(["--api-key", "sk-user"], user_data, models_dir, ("openai", "example"))
+    assert client.get("/v1/example/hooks").status_code == 401
+    assert client.get("/v1/example/hooks", headers=USER).status_code == 200
 
 
 def test_an_api_open_to_the_network_without_a_key_is_announced(
@@ -449,3 +459,31 @@ def test_an_api_open_to_the_network_without_a_key_is_announced(
         with caplog.at_level("WARNING", logger="extensions.openai.auth"):
             _app_with(quiet, user_data, models_dir)
         assert "anyone on the network" not in caplog.text, quiet
+
+
+def test_embeddings_with_the_loaded_model_tokenize_off_the_event_loop(
+    hub: object, user_data: Path, with_default_model: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from modules import models, shared
+
+    client = _app_with([], user_data, models_dir)
+    models.load_model(DEFAULT_MODEL)
+    backend = shared.model
+    assert backend is not None
+    on_loop: list[bool] = []
+    encode = backend.encode
+
+    def watched(text: str) -> list[int]:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)  # every stream would wait for this
+        except RuntimeError:
+            on_loop.append(False)
+        return encode(text)
+
+    monkeypatch.setattr(backend, "encode", watched)
+    answer = client.post("/v1/embeddings", json={"model": DEFAULT_MODEL, "input": ["one text", "another"]})
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] > 0
+    assert on_loop and not any(on_loop)

@@ -39,9 +39,9 @@ def asgi_get(app: Any, raw_path: bytes) -> tuple[int, dict[str, str], bytes]:
         "raw_path": raw_path,
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"host", b"testserver")],
+        "headers": [(b"host", b"127.0.0.1")],
         "client": ("127.0.0.1", 50000),
-        "server": ("testserver", 80),
+        "server": ("127.0.0.1", 80),
     }
     sent: list[dict[str, Any]] = []
 
@@ -220,7 +220,7 @@ def test_every_hook_runs_on_a_real_generation(with_default_model: Path, user_dat
 
     from server import create_app
 
-    client = TestClient(create_app())
+    client = TestClient(create_app(), base_url="http://127.0.0.1")
     assert "state_modifier" in client.get("/v1/hooktest").json()["seen"]
     ext.module.seen.clear()
     completion = client.post("/v1/completions", json={"prompt": "Q: CAPITAL?\nA: The capital of France is"})
@@ -380,7 +380,7 @@ def test_image_generation_api_and_chat(with_default_model: Path, models_dir: Pat
 
     build_tiny_pipeline(models_dir / "tiny-sd")
     extensions.load_extensions(["openai", "image_generation"])
-    client = TestClient(create_app())
+    client = TestClient(create_app(), base_url="http://127.0.0.1")
     body = {"prompt": "a lighthouse", "n": 2, "size": "32x32", "response_format": "b64_json", "steps": 2, "seed": 3}
     response = client.post("/v1/images/generations", json=body)
     assert response.status_code == 200, response.text
@@ -393,7 +393,7 @@ def test_image_generation_api_and_chat(with_default_model: Path, models_dir: Pat
     url = client.post("/v1/images/generations", json={**body, "response_format": "url", "n": 1}).json()["data"][0][
         "url"
     ]
-    assert client.get(url.split("testserver")[1]).headers["content-type"] == "image/png"
+    assert client.get(url.split("127.0.0.1")[1]).headers["content-type"] == "image/png"
     assert client.post("/v1/images/generations", json={**body, "size": "33x33"}).status_code == 400
     assert client.post("/v1/images/generations", json={**body, "model": "no-such-pipeline"}).status_code == 404
     assert client.post("/v1/images/generations", json={"n": 1}).status_code == 400
@@ -420,4 +420,7 @@ def test_image_generation_api_and_chat(with_default_model: Path, models_dir: Pat
     ext.params.update(width=32, height=32, steps=2)
     models.load_model(DEFAULT_MODEL)
     reply = generate_text("ignored", GenerationParams(), state={"user_input": "/image a red boat"}, is_chat=True)[0]
-    assert reply.startswith("![a red boat](/v1/images/files/") and reply.endswith(".png)")
+    from extensions.image_generation.generator import images_dir
+
+    # the chat shows it through the web UI's own file route (--gradio-auth guards it), not the keyed API
+    assert reply.startswith(f"![a red boat](/gradio_api/file={images_dir()}/") and reply.endswith(".png)")

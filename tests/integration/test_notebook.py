@@ -96,6 +96,32 @@ def test_a_variable_set_in_one_cell_is_seen_by_the_next(session: KernelSession, 
     assert second.execution_count == first.execution_count + 1  # type: ignore[operator]
 
 
+def test_the_kernel_gets_none_of_the_server_s_secrets(
+    tmp_path: Path, code_on: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("HF_TOKEN", "TEXTGEN_API_KEY", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY", "MY_DB_PASSWORD"):
+        monkeypatch.setenv(name, "s3cr3t-value")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    fresh = KernelSession(tmp_path, KernelLimits(timeout=30))
+    try:
+        run = fresh.execute("import os\nprint(sorted(k for k, v in os.environ.items() if 's3cr3t' in v))")
+        assert run.status == "ok" and text_of(run) == "[]\n", run.outputs
+        assert text_of(fresh.execute("print(os.environ.get('LC_ALL'), 'PATH' in os.environ)")) == "C.UTF-8 True\n"
+    finally:
+        fresh.shutdown()
+
+
+def test_an_ended_session_stops_only_its_own_user_s_kernel(
+    hub: Any, code_on: None, registry: kernel.KernelRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared, "settings", shared.settings.model_copy(update={"multi_user": True}))
+    bob = registry.get("bob", "same-hash", Path("."))
+    alice = registry.get("alice", "same-hash", Path("."))
+    handlers.end_session(SimpleNamespace(session_hash="same-hash", username="alice"))  # type: ignore[arg-type]
+    assert registry.find("alice", "same-hash") is None and registry.find("bob", "same-hash") is bob
+    assert alice is not bob
+
+
 def test_an_infinite_loop_is_interrupted_and_the_kernel_still_answers(session: KernelSession, code_on: None) -> None:
     session.execute("kept = 'still here'")
     started = time.monotonic()

@@ -287,7 +287,7 @@ def test_images_through_the_api(tiny: Path) -> None:
 
     extensions.load_extensions(["openai"])
     models.load_model("tiny-llava")
-    client = TestClient(create_app())
+    client = TestClient(create_app(), base_url="http://127.0.0.1")
     buffer = io.BytesIO()
     Image.new("RGB", (40, 40), "green").save(buffer, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -334,7 +334,7 @@ def test_tools_and_json_through_the_api_on_transformers(tiny: Path) -> None:
 
     extensions.load_extensions(["openai"])
     models.load_model("tiny-llama")
-    client = TestClient(create_app())
+    client = TestClient(create_app(), base_url="http://127.0.0.1")
     tool = {
         "type": "function",
         "function": {

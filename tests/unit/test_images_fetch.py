@@ -132,6 +132,9 @@ def test_an_allowed_address_is_fetched_following_redirects(servers, remote_on) -
         "[fe80::1]",
         "[fd00:ec2::254]",
         "[2002:7f00:1::]",  # 6to4 around 127.0.0.1
+        "[64:ff9b::7f00:1]",  # NAT64 around 127.0.0.1
+        "[64:ff9b::a9fe:a9fe]",  # NAT64 around the cloud metadata address
+        "[64:ff9b:1::a00:1]",  # local-use NAT64 around 10.0.0.1
         "224.0.0.1",
     ],
 )
@@ -289,3 +292,18 @@ def test_https_goes_to_the_checked_address_and_verifies_the_name(servers, remote
     assert image.size == (3, 2) and hosts == [f"localhost:{port}"]
     with pytest.raises(InvalidRequest, match="could not fetch"):  # the name is still verified
         images.load_image(f"https://127.0.0.1:{port}/a.png")
+
+
+def test_an_image_of_too_many_pixels_is_refused_before_it_is_decoded() -> None:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("1", (12_000, 12_000)).save(buffer, format="PNG")  # 144 M pixels in a few kB
+    data = base64.b64encode(buffer.getvalue()).decode()
+    assert len(data) < 100_000
+    with pytest.raises(InvalidRequest, match="12000x12000 pixels"):
+        images.load_image(f"data:image/png;base64,{data}", "messages")
+    small = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(small, format="PNG")
+    image = images.load_image("data:image/png;base64," + base64.b64encode(small.getvalue()).decode(), "messages")
+    assert image.size == (64, 48)

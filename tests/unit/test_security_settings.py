@@ -88,3 +88,19 @@ def test_a_request_naming_one_is_refused() -> None:
         with pytest.raises(InvalidRequest) as info:
             models_settings.check_request_overrides({"n_ctx": 1024, key: True})
         assert info.value.param == f"args.{key}" and key in str(info.value)
+
+
+def test_the_model_tab_never_puts_the_remote_key_into_a_visitors_page(hub: object, user_data: Path) -> None:
+    import json
+
+    import gradio as gr
+
+    from modules import shared
+    from modules.ui import model_tab
+
+    shared.init(load_settings(["--user-data-dir", str(user_data), "--remote-api-key", "sk-remote-secret"], env={}))
+    with gr.Blocks() as page:
+        model_tab.build()
+    config = json.dumps(page.get_config_file(), default=str)
+    assert "sk-remote-secret" not in config
+    assert "set on the server (hidden)" in config  # the field says a key is set

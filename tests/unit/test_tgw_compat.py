@@ -40,6 +40,18 @@ def test_cmd_flags_txt_is_read_and_the_command_line_wins(tmp_path: Path) -> None
     assert "n_ctx" in loaded.explicit and loaded.notes[0].startswith("read --listen --n_ctx 1024 --threads 3 from")
 
 
+def test_secrets_in_cmd_flags_txt_never_reach_the_log(tmp_path: Path) -> None:
+    (tmp_path / "CMD_FLAGS.txt").write_text(
+        "--api-key sk-secret-1 --admin_key=sk-secret-2\n--gradio-auth me:pw-secret-3 --remote-api-key sk-secret-4 "
+        "--threads 3\n"
+    )
+    loaded = load_settings(["--user-data-dir", str(tmp_path)], env={})
+    assert loaded.settings.api_key == "sk-secret-1" and loaded.settings.admin_key == "sk-secret-2"
+    note = "\n".join(loaded.notes)
+    assert "-secret-" not in note and "--api-key *** --admin_key=*** --gradio-auth *** --remote-api-key ***" in note
+    assert "--threads 3" in note
+
+
 def test_the_api_stays_on_whatever_the_extensions_unless_no_api(tmp_path: Path) -> None:
     base = ["--user-data-dir", str(tmp_path)]
     assert load_settings(base, env={}).settings.startup_extensions() == ["openai"]
