@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,15 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ARTIFACTS = ROOT / "artifacts"
+
+
+def run_async(fn: Callable[..., Awaitable[object]], *args: object, timeout: float = 60) -> object:
+    """anyio.run in a thread of its own: Playwright's sync API (the browser tests, earlier in the session) leaves an
+    event loop running in the main thread, where anyio.run would refuse to start."""
+    import anyio
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(anyio.run, fn, *args).result(timeout=timeout)
 
 
 def default_model_path() -> Path:

@@ -20,7 +20,7 @@ from modules.chat.prompt import ChatOptions
 from modules.errors import ExtensionFailed
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import generate_text
-from tests.conftest import DEFAULT_MODEL
+from tests.conftest import DEFAULT_MODEL, run_async
 
 SYSTEM = "You are a helpful AI assistant."
 
@@ -64,12 +64,7 @@ def asgi_get(app: Any, raw_path: bytes) -> tuple[int, dict[str, str], bytes]:
 
         await app(scope, receive, send)
 
-    # In a thread of its own: Playwright's sync API (the browser tests, earlier in the session) leaves an event loop
-    # running in the main thread, where anyio.run would refuse to start.
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(anyio.run, call).result(timeout=60)
+    run_async(call)
     start = next(m for m in sent if m["type"] == "http.response.start")
     headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")

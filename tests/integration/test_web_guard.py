@@ -9,11 +9,11 @@ import re
 import socket
 from pathlib import Path
 
-import anyio
 import httpx
 import pytest
 
 from modules.web_guard import WebOriginGuard, host_allowed, same_origin, split_host
+from tests.conftest import run_async
 
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
 
@@ -57,9 +57,9 @@ def test_a_websocket_from_another_origin_is_closed_before_the_app_sees_it() -> N
         headers = [(b"host", b"127.0.0.1:7860"), (b"origin", origin)]
         return {"type": "websocket", "path": "/gradio_api/ws", "headers": headers}
 
-    anyio.run(guard, scope(b"http://127.0.0.1:9999"), receive, send)
+    run_async(guard, scope(b"http://127.0.0.1:9999"), receive, send)
     assert seen == [] and sent[0]["type"] == "websocket.close" and sent[0]["code"] == 1008
-    anyio.run(guard, scope(b"http://127.0.0.1:7860"), receive, send)
+    run_async(guard, scope(b"http://127.0.0.1:7860"), receive, send)
     assert seen == ["app"]
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 from extensions.openai.core import Item, Running, merge
 from modules.generation.params import GenerationParams
 from modules.generation.pipeline import DeltaBuilder, Prepared
 from modules.loaders.base import TokenEvent
+from tests.conftest import run_async
 
 
 def running(choices: int, stop: list[str] | None = None) -> Running:
@@ -31,25 +31,6 @@ async def collect(run: Running) -> list[Item]:
     return [item async for item in merge(run)]
 
 
-def run_async(make: Callable[[], Coroutine[Any, Any, list[Item]]]) -> list[Item]:
-    """Run a coroutine on an event loop of its own thread (whatever loop an earlier test left in this one)."""
-    out: list[Any] = []
-
-    def target() -> None:
-        try:
-            out.append(asyncio.run(make()))
-        except BaseException as exc:  # re-raised in the test's thread
-            out.append(exc)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join(30)
-    assert out, "the coroutine did not finish"
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return list(out[0])
-
-
 def test_tokens_that_arrived_together_make_one_delta_per_choice() -> None:
     async def go() -> list[Item]:
         run = running(2)
@@ -59,7 +40,7 @@ def test_tokens_that_arrived_together_make_one_delta_per_choice() -> None:
         run.queue.put_nowait((0, TokenEvent(-1, b"", finish_reason="length")))
         return await collect(run)
 
-    items = run_async(go)
+    items: Any = run_async(go, timeout=30)
     assert [(i.index, i.delta.text if i.delta else None) for i in items] == [(0, "Hello wor"), (1, "a")]
     first = items[0].delta
     assert first is not None and [t.token_id for t in first.tokens] == [5, 6, 8]
@@ -79,7 +60,7 @@ def test_tokens_that_come_apart_stay_apart_and_a_stop_string_across_them_ends_th
         assert run.cancels[0].is_set()  # the slot is freed at once
         return out
 
-    items = run_async(go)
+    items: Any = run_async(go, timeout=30)
     assert [i.delta.text if i.delta else None for i in items] == ["He", "l"]  # "l" waited: it might begin "lo w"
     last = items[-1].delta
     assert last is not None and last.stats is not None and last.stats.stop_string == "lo w"
@@ -92,7 +73,7 @@ def test_an_error_comes_after_what_the_choice_made_before_it() -> None:
         run.queue.put_nowait((0, RuntimeError("generation failed")))
         return await collect(run)
 
-    items = run_async(go)
+    items: Any = run_async(go, timeout=30)
     assert items[0].delta is not None and items[0].delta.text == "partial"
     assert isinstance(items[1].error, RuntimeError) and len(items) == 2
 
@@ -105,6 +86,6 @@ def test_with_several_choices_an_error_comes_after_the_others_deltas_that_arrive
         run.queue.put_nowait((0, RuntimeError("generation failed")))
         return await collect(run)
 
-    items = run_async(go)
+    items: Any = run_async(go, timeout=30)
     assert items[0].index == 1 and items[0].delta is not None and items[0].delta.stats is not None
     assert items[1].index == 0 and isinstance(items[1].error, RuntimeError) and len(items) == 2
