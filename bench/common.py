@@ -147,11 +147,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``AMD EPYC``, ``Intel(R) Xeon(R) Platinum 8481C``, ...): numerics and speeds differ
+    between them, so every figure names it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                amx = " with AMX" if "amx_tile" in Path("/proc/cpuinfo").read_text() else ""
+                return line.split(":", 1)[1].strip() + amx
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict[str, Any]:
     import psutil
 
     return {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "cores": psutil.cpu_count(logical=False),
         "threads": psutil.cpu_count(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),

@@ -1,0 +1,150 @@
+"""What speculation can reach on this CPU for the rewrite benchmark: the step costs measured with ``llama_decode``, and
+the recorded greedy reply replayed through them with our planner, fixed draft lengths and an oracle.
+
+Each step feeds the pending token and a draft of k tokens (prompt lookup: what followed the latest match) and
+costs ``t(1 + k)`` (plus the graph switch when the step's size differs from the last one's); it yields the pending
+token and every draft token that holds. Plain decoding is ``t(1)`` a token. The oracle drafts exactly the run of
+the candidate that will hold (so no step pays for a rejected token) when that is quicker than plain steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from bench.common import MODEL
+from bench.llama_engine import EOG_BIAS, SPEC_TOKENS, TEXT_PROMPT, THREADS
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+REPEATS = 15
+
+
+def _decode_costs(prompt: list[int]) -> tuple[dict[int, float], float]:
+    """Median seconds of one decode step of n tokens at the end of ``prompt`` (n in SIZES, the same size again and
+    again: llama.cpp reuses the graph), and the extra cost of a one-token step after a step of another size."""
+    import llama_cpp
+    from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
+
+    llama_cpp.llama_backend_init()
+    model = LlamaModel(path_model=str(MODEL), params=llama_cpp.llama_model_default_params(), verbose=False)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = 4096, 512, 512
+    params.n_threads = params.n_threads_batch = THREADS
+    params.flash_attn_type = 0  # as the backend on the CPU
+    ctx = LlamaContext(model=model, params=params, verbose=False)
+    holder = LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
+    batch = holder.batch
+
+    def decode(tokens: list[int], start: int, logits: bool) -> float:
+        for j, token in enumerate(tokens):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, start + j, 1
+            batch.seq_id[j][0], batch.logits[j] = 0, logits
+        batch.n_tokens = len(tokens)
+        began = time.perf_counter()
+        assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
+        return time.perf_counter() - began
+
+    for start in range(0, len(prompt), 512):
+        decode(prompt[start : start + 512], start, False)
+    end = len(prompt)
+    costs: dict[int, float] = {}
+    for n in SIZES:
+        times = []
+        for _ in range(REPEATS + 2):
+            times.append(decode(prompt[-n:], end, True))
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx.ctx), 0, end, -1)
+        costs[n] = statistics.median(times[2:])
+    switched = []
+    for _ in range(REPEATS):
+        decode(prompt[-4:], end, True)
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx.ctx), 0, end, -1)
+        switched.append(decode(prompt[-1:], end, True))
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx.ctx), 0, end, -1)
+    holder.close()
+    ctx.close()
+    model.close()
+    return costs, max(0.0, statistics.median(switched) - costs[1])
+
+
+def _reply() -> tuple[list[int], list[int]]:
+    """The prompt and the greedy reply (the same tokens with speculation on or off)."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(MODEL), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+    prompt = llm.tokenize(TEXT_PROMPT.encode(), add_bos=True, special=True)
+    bias = {int(k): float(v) for k, v in EOG_BIAS.items()}
+    out = llm.create_completion(TEXT_PROMPT, max_tokens=SPEC_TOKENS, temperature=0, logit_bias=bias)
+    reply = llm.tokenize(out["choices"][0]["text"].encode(), add_bos=False, special=True)
+    llm.close()
+    return prompt, reply[:SPEC_TOKENS]
+
+
+def replay(
+    prompt: list[int], reply: list[int], cost: Any, policy: str, draft_max: int = 16, fixed: int = 3
+) -> tuple[float, int, int]:
+    """(seconds, steps, draft tokens) to produce ``reply`` under ``policy``: "planner" (our Speculator, its cost
+    line fed with the measured step times), "fixed" (always ``fixed`` tokens of the candidate), "oracle"."""
+    from modules.loaders.llama_cpp_spec import NgramIndex, SpecState, Speculator, StepCost, Work
+
+    index = NgramIndex(prompt + reply[:1])
+    state = SpecState(index=index)
+    planner = Speculator(StepCost(), draft_max)
+    seconds, steps, drafted, last = 0.0, 0, 0, 0
+    i = 1  # reply[0] came from the prompt's own step; reply[i - 1] is the pending token fed next
+    while i < len(reply):
+        candidate, _ = index.draft(min(draft_max, len(reply) - i))
+        holds = next((j for j, t in enumerate(candidate) if t != reply[i + j]), len(candidate))
+        if policy == "planner":
+            k = planner.plan([Work(0, state, [], min(draft_max, len(reply) - i))], room=64)
+        elif policy == "fixed":
+            k = min(fixed, len(candidate))
+        else:  # the oracle: exactly the run that holds, when that beats plain steps
+            k = holds if holds and cost(1 + holds, last) < (holds + 1) * cost(1, 1) else 0
+        accepted = min(k, holds)
+        step = cost(1 + k, last)
+        seconds, steps, drafted, last = seconds + step, steps + 1, drafted + k, 1 + k
+        if policy == "planner":
+            state.draft = candidate[:k]
+            planner.cost.step(1 + k, step)
+            state.record(reply[i], accepted)
+        for token in reply[i : i + accepted + 1]:
+            index.append(token)
+        i += accepted + 1
+    return seconds, steps, drafted
+
+
+def run() -> dict[str, Any]:
+    """Step costs on this CPU and the rewrite's ceiling (replayed, no server)."""
+    prompt, reply = _reply()
+    costs, switch = _decode_costs(prompt)
+    sizes = sorted(costs)
+
+    def cost(n: int, last: int) -> float:
+        below = max(s for s in sizes if s <= n)
+        above = min((s for s in sizes if s >= n), default=below)
+        base = costs[below] if above == below else costs[below] + (costs[above] - costs[below]) * (n - below) / (
+            above - below
+        )
+        return base + (switch if n != last else 0.0)
+
+    plain = len(reply) * costs[1]
+    from bench.common import cpu_name
+
+    out: dict[str, Any] = {
+        "cpu": cpu_name(),
+        "step_ms": {n: round(costs[n] * 1000, 2) for n in sizes},
+        "per_extra_token_ms": round((costs[5] - costs[1]) / 4 * 1000, 2),
+        "switch_ms": round(switch * 1000, 2),
+        "reply_tokens": len(reply),
+    }
+    for policy, label in (("planner", "planner"), ("fixed", "always_3"), ("oracle", "oracle")):
+        seconds, steps, drafted = replay(prompt, reply, cost, policy)
+        out[label] = {"speedup": round(plain / seconds, 3), "steps": steps, "draft_tokens": drafted}
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=1))
