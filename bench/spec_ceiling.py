@@ -123,8 +123,10 @@ def run() -> dict[str, Any]:
     def cost(n: int, last: int) -> float:
         below = max(s for s in sizes if s <= n)
         above = min((s for s in sizes if s >= n), default=below)
-        base = costs[below] if above == below else costs[below] + (costs[above] - costs[below]) * (n - below) / (
-            above - below
+        base = (
+            costs[below]
+            if above == below
+            else costs[below] + (costs[above] - costs[below]) * (n - below) / (above - below)
         )
         return base + (switch if n != last else 0.0)
 

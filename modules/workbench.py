@@ -200,7 +200,8 @@ class Workbench:
         return {"model": str(target), "tokens": len(ids), "perplexity": fidelity.perplexity(rows, ids)}
 
     def push(self, repo: str, private: bool | None = True, folder: str | Path | None = None, **options: Any) -> dict:
-        """Upload the last export's folder (or ``folder``) with a model card; ``private`` is honoured."""
+        """Upload the last export (a GGUF file alone, or a folder's files) or ``folder`` with a model card; ``private``
+        is honoured."""
         from modules.lifecycle.publish import PushArgs, push
 
         target = Path(folder) if folder else (self.last_export or self.last_merge)
@@ -208,7 +209,6 @@ class Workbench:
             from modules.errors import InvalidRequest
 
             raise InvalidRequest("nothing to push: export() or merge() first, or pass folder=", "folder")
-        target = target.parent if target.is_file() else target
         result: dict[str, Any] = self._run(f"push {repo}", push, PushArgs(target, repo, private, **options))
         return result
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--imatrix", type=Path, help="an importance-matrix GGUF (needed for IQ1/IQ2, IQ3_XXS, Q2_K_S)")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the fidelity check")
     p.add_argument("--keep-f16", action="store_true", help="keep the intermediate F16 GGUF")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (else it is refused)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -61,7 +63,7 @@ def _export(a: argparse.Namespace) -> int:
     from modules.lifecycle import fidelity
     from modules.lifecycle.export import ExportArgs, export
 
-    args = ExportArgs(a.source, a.format, a.quant, a.output, a.base, a.imatrix, a.check, a.keep_f16)
+    args = ExportArgs(a.source, a.format, a.quant, a.output, a.base, a.imatrix, a.check, a.keep_f16, a.overwrite)
     what = a.quant if a.format in ("gguf", "gguf-lora") else a.format
     result = _run_job(f"export {a.source.name} {what}", lambda r, c: export(args, r, c), unit="B")
     text = f"wrote {result.output}" + (f"\n{fidelity.summary(result.fidelity)}" if result.fidelity else "")
@@ -78,13 +80,14 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=Path, help="the file to write (default: beside the source)")
     p.add_argument("--imatrix", type=Path, help="an importance-matrix GGUF (needed for IQ1/IQ2, IQ3_XXS, Q2_K_S)")
     p.add_argument("--check", action="store_true", help="measure PPL and KLD against the source file")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (else it is refused)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _quantize(a: argparse.Namespace) -> int:
     from modules.lifecycle.export import ExportArgs, default_output, export
 
-    args = ExportArgs(a.source, "gguf", a.quant, a.output, imatrix=a.imatrix, check=a.check)
+    args = ExportArgs(a.source, "gguf", a.quant, a.output, imatrix=a.imatrix, check=a.check, overwrite=a.overwrite)
     args.output = args.output or default_output(args)
     result = _run_job(f"quantize {a.source.name} {a.quant}", lambda r, c: export(args, r, c))
     from modules.lifecycle import fidelity, quantize
@@ -97,47 +100,60 @@ def _quantize(a: argparse.Namespace) -> int:
 
 
 def _card_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("folder", type=Path, help="the folder that would be pushed")
+    p.add_argument("folder", type=Path, help="the folder (or the one file) that would be pushed")
     p.add_argument("--repo", required=True, help="ORG/NAME on the Hub")
     p.add_argument("--license", default="", help="the license id (apache-2.0, mit, ...)")
     p.add_argument("--base-model", default="", help="the original model's Hub id")
-    p.add_argument("--write", action="store_true", help="write FOLDER/README.md instead of printing it")
+    p.add_argument("--write", action="store_true", help="write FOLDER/README.md (to edit; a push then sends it)")
 
 
 def _card(a: argparse.Namespace) -> int:
+    from modules.fileio import atomic_write_text
     from modules.lifecycle.publish import PushArgs, prepare
 
-    push_args = PushArgs(a.folder, a.repo, license=a.license, base_model=a.base_model, card=a.write)
-    if a.write:
-        files, _ = prepare(push_args)
-        print(f"wrote {a.folder / 'README.md'}; a push would upload: {', '.join(files)}")
+    _, files, text = prepare(PushArgs(a.folder, a.repo, license=a.license, base_model=a.base_model))
+    if not a.write:
+        print(text, end="")
         return 0
-    from modules.lifecycle import model_card
-
-    files = [*model_card.upload_files(a.folder), "README.md"]
-    card_args = model_card.CardArgs(a.folder, a.repo, sorted(set(files)), a.base_model, a.license)
-    print(model_card.render(card_args), end="")
+    readme = (a.folder if a.folder.is_dir() else a.folder.parent) / "README.md"
+    if readme.exists():
+        print(f"{readme} exists: a push sends it as it is (delete it for a new card)", file=sys.stderr)
+        return 1
+    atomic_write_text(readme, text)
+    print(f"wrote {readme}; a push would upload: {', '.join(files)}")
     return 0
 
 
 def _push_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("folder", type=Path, help="the folder to upload (an export or a merge)")
+    p.add_argument("folder", type=Path, help="what to upload: an export's or a merge's folder, or one GGUF file")
     p.add_argument("repo", help="ORG/NAME on the Hub")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--private", dest="private", action="store_true", default=None, help="make the repo private")
     group.add_argument("--public", dest="private", action="store_false", help="make the repo public")
-    p.add_argument("--token", help="a write token (default: HF_TOKEN or the saved login)")
     p.add_argument("--endpoint", help="the Hub's URL (default: HF_ENDPOINT or huggingface.co)")
     p.add_argument("--license", default="")
     p.add_argument("--base-model", default="")
-    p.add_argument("--no-card", dest="card", action="store_false", help="do not write README.md")
+    p.add_argument("--no-card", dest="card", action="store_false", help="send no model card")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _token() -> str | None:
+    """HF_TOKEN or the saved login (`hf auth login`), else a prompt on a terminal: never on the command line, where
+    `ps` shows it to every user of the machine."""
+    from huggingface_hub import get_token
+
+    token = get_token()
+    if not token and sys.stdin.isatty():
+        import getpass
+
+        token = getpass.getpass("Hugging Face write token (not shown): ").strip() or None
+    return token
 
 
 def _push(a: argparse.Namespace) -> int:
     from modules.lifecycle.publish import PushArgs, push
 
-    args = PushArgs(a.folder, a.repo, a.private, a.token, a.endpoint, a.license, a.base_model, card=a.card)
+    args = PushArgs(a.folder, a.repo, a.private, _token(), a.endpoint, a.license, a.base_model, card=a.card)
     result = _run_job(f"push {a.repo}", lambda r, c: push(args, r, c))
     visibility = "private" if result["private"] else "public"
     _print(result, a.json, f"pushed {len(result['files'])} files to {result['url']} ({visibility})")

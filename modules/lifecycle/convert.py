@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modules import jobs
-from modules.errors import TextgenError
+from modules.errors import InvalidRequest, TextgenError
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS_DIR = Path(os.environ.get("TEXTGEN_LLAMA_CPP_TOOLS", ROOT / ".venv" / "llama.cpp-tools"))
@@ -73,18 +73,43 @@ def partial_path(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
+def refuse_existing(output: Path, overwrite: bool) -> None:
+    """Every writer's first check: an existing file or folder is replaced only when asked (``--overwrite``, the
+    Model tab's Replace), so an export named like a model never wipes it."""
+    if output.exists() and not overwrite:
+        kind = "folder" if output.is_dir() else "file"
+        raise InvalidRequest(
+            f"{output} exists (a {kind}); choose another output, or ask to replace it (--overwrite)", "output"
+        )
+
+
 @contextlib.contextmanager
-def staged_folder(output: Path, cancel: threading.Event) -> Iterator[Path]:
-    """A folder to write ``output`` into (``OUTPUT.partial``); it replaces ``output`` when the block ends without an
-    error or a cancel, and is removed otherwise: nothing half-written ever has the final name."""
+def staged_folder(output: Path, cancel: threading.Event, overwrite: bool = False) -> Iterator[Path]:
+    """A folder to write ``output`` into (``OUTPUT.partial``, beside it); it takes the final name when the block
+    ends without an error or a cancel, and is removed otherwise: nothing half-written ever has the final name. An
+    existing ``output`` is refused unless ``overwrite``; when replaced, it is moved aside and deleted only after the
+    new folder has its name (a failed rename puts it back)."""
+    refuse_existing(output, overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(output)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         yield tmp
         jobs.check(cancel)
+        if not tmp.is_dir():
+            raise TextgenError(f"nothing was written for {output.name}")
+        refuse_existing(output, overwrite)  # created meanwhile by someone else
+        old = output.with_name(f".{output.name}.replaced")
+        shutil.rmtree(old, ignore_errors=True)
         if output.exists():
-            shutil.rmtree(output)
-        tmp.replace(output)
+            output.replace(old)
+        try:
+            tmp.replace(output)
+        except OSError:
+            if old.exists():
+                old.replace(output)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -23,7 +23,6 @@ from modules import jobs
 from modules.errors import BackendUnavailable, InvalidRequest
 from modules.fileio import atomic_write_text
 from modules.lifecycle import convert, quantize
-from modules.lifecycle.convert import partial_path
 
 FORMATS = ("gguf", "gguf-lora", "safetensors", "onnx", "mlx")
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_M", "Q3_K_L",
@@ -43,6 +42,7 @@ class ExportArgs:
     imatrix: Path | None = None  # importance matrix for IQ1/IQ2/IQ3_XXS/Q2_K_S
     check: bool = True  # run the fidelity check after writing a GGUF
     keep_f16: bool = False  # keep the intermediate F16 GGUF beside the output
+    overwrite: bool = False  # replace an existing output (else it is refused before anything runs)
 
 
 @dataclass
@@ -91,6 +91,12 @@ def export(args: ExportArgs, report: jobs.Reporter, cancel: threading.Event) -> 
     """Run the export ``args`` describes; the job function behind CLI, UI and Workbench."""
     validate(args)
     output = Path(args.output) if args.output else default_output(args)
+    source = Path(args.source).resolve()
+    if output.resolve() == source or source in output.resolve().parents:
+        raise InvalidRequest(f"the output {output} is the source or inside it; choose another output", "output")
+    convert.refuse_existing(output, args.overwrite)
+    if args.keep_f16:
+        convert.refuse_existing(_kept_f16(output, args.quant.upper()), args.overwrite)
     if args.format == "gguf":
         return _gguf(args, output, report, cancel)
     if args.format == "gguf-lora":
@@ -99,46 +105,58 @@ def export(args: ExportArgs, report: jobs.Reporter, cancel: threading.Event) -> 
         path = convert.convert_lora_to_gguf(lora, report, cancel)
         return ExportResult(output=str(path), format="gguf-lora", quant=args.quant.upper(), files=[str(path)])
     if args.format == "safetensors":
-        return _safetensors(Path(args.source), output, report, cancel)
+        return _safetensors(Path(args.source), output, args.overwrite, report, cancel)
     if args.format == "onnx":
-        return _onnx(Path(args.source), output, report, cancel)
-    return _mlx(Path(args.source), output, args.quant, report, cancel)
+        return _onnx(Path(args.source), output, args.overwrite, report, cancel)
+    return _mlx(Path(args.source), output, args.quant, args.overwrite, report, cancel)
+
+
+def _kept_f16(output: Path, quant: str) -> Path:
+    """Where ``keep_f16`` puts the intermediate F16 file: beside the output, ``NAME.F16.gguf``."""
+    if f".{quant}." in output.name:
+        return output.with_name(output.name.replace(f".{quant}.", ".F16."))
+    return output.with_suffix(".F16.gguf")
 
 
 def _gguf(args: ExportArgs, output: Path, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+    """Everything is written into a work folder beside ``output`` (the F16 step, the file, its fidelity report) and
+    takes its final name only when complete and checked; the work folder goes in every case."""
     from modules.lifecycle import fidelity
 
     source, quant = Path(args.source), args.quant.upper()
-    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent if output.parent.exists() else None))
+    output.parent.mkdir(parents=True, exist_ok=True)  # the intermediate F16 goes beside the output, never to /tmp
+    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         hf_source = source if source.is_dir() else None
+        staged = work / output.name
         if hf_source is None:
             f16 = source  # a GGUF given: requantize it (and compare with it)
         elif quant in ("F32", "F16", "BF16"):  # the converter's own (Q8_0 goes through F16, to be compared with it)
-            f16 = convert.convert_hf_to_gguf(convert.ConvertArgs(source, output, quant), report, cancel)
+            f16 = convert.convert_hf_to_gguf(convert.ConvertArgs(source, staged, quant), report, cancel)
         else:
             f16 = convert.convert_hf_to_gguf(convert.ConvertArgs(source, work / "model.F16.gguf"), report, cancel)
         jobs.check(cancel)
-        if f16 != output:
-            qargs = quantize.QuantizeArgs(f16, output, quant, imatrix=args.imatrix)
+        if f16 != staged:
+            qargs = quantize.QuantizeArgs(f16, staged, quant, imatrix=args.imatrix)
             quantize.quantize(qargs, report, cancel)
         result = ExportResult(output=str(output), format="gguf", quant=quant, files=[str(output)])
-        if args.keep_f16 and f16.parent == work:
-            kept = output.with_name(output.name.replace(f".{quant}.", ".F16.")) if f".{quant}." in output.name else None
-            kept = kept or output.with_suffix(".F16.gguf")
-            shutil.move(str(f16), kept)
-            f16 = kept
-            result.files.append(str(kept))
+        report_file = staged.with_name(staged.name + ".fidelity.json")
         if args.check:
             jobs.check(cancel)
             report(message="fidelity check: loading the exported file in llama.cpp")
-            result.fidelity = check(output, hf_source, f16 if f16 != output else None)
-            atomic_write_text(output.with_name(output.name + ".fidelity.json"), json.dumps(result.fidelity, indent=2))
+            result.fidelity = check(staged, hf_source, f16 if f16 != staged else None)
+            atomic_write_text(report_file, json.dumps(result.fidelity, indent=2))
             report(message="checked: " + fidelity.summary(result.fidelity))
+        jobs.check(cancel)
+        convert.refuse_existing(output, args.overwrite)  # written meanwhile by someone else
+        staged.replace(output)
+        if report_file.is_file():
+            report_file.replace(output.with_name(report_file.name))
+        if args.keep_f16 and f16.parent == work:
+            kept = _kept_f16(output, quant)
+            f16.replace(kept)
+            result.files.append(str(kept))
         return result
-    except BaseException:
-        partial_path(output).unlink(missing_ok=True)
-        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -152,14 +170,16 @@ def check(path: Path, hf_source: Path | None, f16: Path | None) -> dict[str, Any
     return report.to_dict()
 
 
-def _safetensors(source: Path, output: Path, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+def _safetensors(
+    source: Path, output: Path, overwrite: bool, report: jobs.Reporter, cancel: threading.Event
+) -> ExportResult:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     report(done=0, total=2, message="loading")
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float16, local_files_only=True)
     jobs.check(cancel)
-    with convert.staged_folder(output, cancel) as tmp:
+    with convert.staged_folder(output, cancel, overwrite) as tmp:
         report(done=1, total=2, message="saving safetensors")
         model.save_pretrained(str(tmp), safe_serialization=True)
         AutoTokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(tmp))
@@ -167,7 +187,7 @@ def _safetensors(source: Path, output: Path, report: jobs.Reporter, cancel: thre
     return ExportResult(output=str(output), format="safetensors", files=sorted(str(p) for p in output.iterdir()))
 
 
-def _onnx(source: Path, output: Path, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+def _onnx(source: Path, output: Path, overwrite: bool, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
     """optimum's exporter where it is installed (with a KV cache, unchecked), else torch.onnx.export checked with
     onnxruntime (:mod:`modules.lifecycle.onnx_export`; no KV cache)."""
     try:
@@ -175,24 +195,26 @@ def _onnx(source: Path, output: Path, report: jobs.Reporter, cancel: threading.E
     except ImportError:
         from modules.lifecycle import onnx_export
 
-        result = onnx_export.export_onnx(source, output, report, cancel)
+        result = onnx_export.export_onnx(source, output, report, cancel, overwrite)
         files = sorted(str(p) for p in output.iterdir())
         return ExportResult(output=str(output), format="onnx", quant="F32", fidelity=result, files=files)
-    with convert.staged_folder(output, cancel) as tmp:
+    with convert.staged_folder(output, cancel, overwrite) as tmp:
         report(done=0, total=1, message="exporting to ONNX (optimum)")
         main_export(str(source), output=str(tmp), task="text-generation-with-past", device="cpu", local_files_only=True)
     report(done=1, total=1, message="done")
     return ExportResult(output=str(output), format="onnx", files=sorted(str(p) for p in output.iterdir()))
 
 
-def _mlx(source: Path, output: Path, quant: str, report: jobs.Reporter, cancel: threading.Event) -> ExportResult:
+def _mlx(
+    source: Path, output: Path, quant: str, overwrite: bool, report: jobs.Reporter, cancel: threading.Event
+) -> ExportResult:
     if sys.platform != "darwin" or platform.machine() != "arm64":
         raise BackendUnavailable("MLX runs on Apple silicon (macOS on arm64) only; this machine cannot export to it")
     try:
         from mlx_lm import convert as mlx_convert
     except ImportError as exc:
         raise BackendUnavailable("MLX export needs the optional package mlx-lm: `pip install mlx-lm`") from exc
-    with convert.staged_folder(output, cancel) as tmp:
+    with convert.staged_folder(output, cancel, overwrite) as tmp:
         report(done=0, total=1, message="converting to MLX")
         bits = {"Q4_0": 4, "Q4_K_M": 4, "Q8_0": 8}.get(quant.upper())
         mlx_convert(str(source), mlx_path=str(tmp), quantize=bits is not None, q_bits=bits or 4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import threading
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 
 from modules import jobs
 from modules.errors import InvalidRequest, TextgenError
-from modules.lifecycle.convert import staged_folder
+from modules.lifecycle.convert import refuse_existing, staged_folder
 
 MERGE_INFO = "textgen_merge.json"
 TOKENIZER_FILES = ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -92,8 +93,7 @@ def merge(args: MergeArgs, report: jobs.Reporter, cancel: threading.Event) -> Pa
         raise InvalidRequest(f"{base} is not a Hugging Face model folder (no config.json)", "base")
     if not (lora / "adapter_config.json").is_file():
         raise InvalidRequest(f"{lora} is not a PEFT adapter folder (no adapter_config.json)", "lora")
-    if output.exists() and not args.overwrite:
-        raise InvalidRequest(f"{output} exists; choose another folder or pass overwrite", "output")
+    refuse_existing(output, args.overwrite)
     dtype = _dtype(args.dtype)
     report(done=0, total=4, message="loading the base model")
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True)
@@ -105,7 +105,7 @@ def merge(args: MergeArgs, report: jobs.Reporter, cancel: threading.Event) -> Pa
         del merged.config.quantization_config
     jobs.check(cancel)
     report(done=2, total=4, message="saving safetensors")
-    with staged_folder(output, cancel) as tmp:
+    with staged_folder(output, cancel, args.overwrite) as tmp:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         source = lora if (lora / "tokenizer_config.json").is_file() else base
         AutoTokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(tmp))
@@ -119,12 +119,27 @@ def merge(args: MergeArgs, report: jobs.Reporter, cancel: threading.Event) -> Pa
     return output
 
 
+def public_name(value: Any) -> Any:
+    """What may leave this machine for a local path: its last part (``/home/me/data/chat.jsonl`` -> ``chat.jsonl``);
+    a Hub id (``ORG/NAME`` that is no folder here) stays as it is; other values unchanged, lists and dicts inside."""
+    if isinstance(value, dict):
+        return {k: public_name(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [public_name(v) for v in value]
+    if not isinstance(value, str) or not value:
+        return value
+    hub_id = bool(re.fullmatch(r"[\w.-]+/[\w.-]+", value)) and not Path(value).exists()
+    if hub_id or ("/" not in value and "\\" not in value and not Path(value).exists()):
+        return value
+    return Path(value.replace("\\", "/")).name
+
+
 def merge_info(base: Path, lora: Path, dtype: str, was_quantized: bool) -> dict[str, Any]:
-    """What the model card says about the merge: base, adapter, its LoRA settings and training parameters."""
+    """What the model card says about the merge: base, adapter, its LoRA settings and training parameters; names
+    and Hub ids only, never a path of this machine (the file is uploaded with the model)."""
     config = json.loads((lora / "adapter_config.json").read_text())
     info: dict[str, Any] = {
-        "base_model": config.get("base_model_name_or_path") or base.name,
-        "base_path": str(base),
+        "base_model": public_name(config.get("base_model_name_or_path") or base.name),
         "adapter": lora.name,
         "dtype": dtype,
         "base_was_quantized": was_quantized,
@@ -133,6 +148,6 @@ def merge_info(base: Path, lora: Path, dtype: str, was_quantized: bool) -> dict[
     for name in ("training_parameters.json", "training_args.json", "textgen_training.json"):
         if (lora / name).is_file():
             with contextlib.suppress(json.JSONDecodeError):
-                info["training"] = json.loads((lora / name).read_text())
+                info["training"] = public_name(json.loads((lora / name).read_text()))
             break
     return info

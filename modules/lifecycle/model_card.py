@@ -8,14 +8,13 @@ transformers, and, when a LoRA was merged, the LoRA settings, training parameter
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from modules.lifecycle.merge import MERGE_INFO
+from modules.lifecycle.merge import MERGE_INFO, public_name
 
 
 @dataclass
@@ -53,7 +52,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _hub_id(value: Any) -> bool:
     """Whether ``value`` names a Hub repo (``ORG/NAME``), not a folder on this machine."""
-    return isinstance(value, str) and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", value)) and not Path(value).exists()
+    return isinstance(value, str) and value.count("/") == 1 and public_name(value) == value
 
 
 def _gguf_quant(name: str) -> str:
@@ -67,7 +66,7 @@ def render(args: CardArgs) -> str:
     files = args.files or upload_files(folder)
     ggufs = [f for f in files if f.endswith(".gguf")]
     has_hf = "config.json" in files
-    merge = _read_json(folder / MERGE_INFO)
+    merge = public_name(_read_json(folder / MERGE_INFO))  # a merge file of an older textgen may hold paths
     config = _read_json(folder / "config.json")
     candidates = [merge.get("base_model"), config.get("_name_or_path")]
     base = args.base_model or next((c for c in candidates if _hub_id(c)), "")  # never a local path

@@ -169,7 +169,9 @@ def _export_logits_only(model: Any, path: Path) -> None:
     _export(logits_only(model), (ids, torch.ones_like(ids)), ["input_ids", "attention_mask"], ["logits"], shapes, path)
 
 
-def export_onnx(source: Path, output: Path, report: jobs.Reporter, cancel: threading.Event) -> dict[str, Any]:
+def export_onnx(
+    source: Path, output: Path, report: jobs.Reporter, cancel: threading.Event, overwrite: bool = False
+) -> dict[str, Any]:
     """Export ``source`` into the folder ``output`` and check it; returns the fidelity dict (see module doc)."""
     require_packages()
     import torch
@@ -183,7 +185,7 @@ def export_onnx(source: Path, output: Path, report: jobs.Reporter, cancel: threa
         raise InvalidRequest(f"{source} is not a causal LM transformers can load: {exc}", "source") from exc
     jobs.check(cancel)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with convert.staged_folder(output, cancel) as tmp:
+    with convert.staged_folder(output, cancel, overwrite) as tmp:
         tmp.mkdir(parents=True)
         report(done=1, total=4, message="exporting to ONNX (torch.onnx.export, with the KV cache)")
         result = None

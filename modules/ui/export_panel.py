@@ -99,6 +99,7 @@ def build() -> None:
                 output = gr.Textbox(label="Output name in models/ (empty: NAME.TYPE.gguf)", elem_id="export-output")
                 base = gr.Dropdown(_sources(), value=None, label="Base (for a LoRA export)", elem_id="export-base")
                 check = gr.Checkbox(True, label="Fidelity check (greedy agreement, PPL, KLD vs F16)")
+                replace = gr.Checkbox(False, label="Replace the output if it exists", elem_id="export-replace")
             with gr.Row():
                 export_btn = admin_control(gr.Button("Export", variant="primary", elem_id="export-start"))
                 cancel_btn = admin_control(gr.Button("Cancel", elem_id="export-cancel"))
@@ -118,25 +119,30 @@ def build() -> None:
                                   title="File size (MB) against perplexity", elem_id="quant-plot")  # fmt: skip
         status = gr.Markdown(job_text(next(iter(jobs.all_jobs(KIND)), None)), elem_id="export-status")
 
-    def start_export(name: str, fmt_: str, quant_: str, out: str, base_: str, check_: bool) -> str:
-        from modules.lifecycle.export import ExportArgs, export
+    def start_export(name: str, fmt_: str, quant_: str, out: str, base_: str, check_: bool, replace_: bool) -> str:
+        from modules.lifecycle.convert import refuse_existing
+        from modules.lifecycle.export import ExportArgs, default_output, export
 
         try:
             args = ExportArgs(_path(name, "a model"), fmt_, quant_, _path(out, "an output name") if out else None,
-                              _path(base_, "a base model") if base_ else None, check=bool(check_))  # fmt: skip
+                              _path(base_, "a base model") if base_ else None, check=bool(check_),
+                              overwrite=bool(replace_))  # fmt: skip
             if fmt_ == "gguf-lora":
                 args.source = _path(name, "a LoRA", shared.loras_dir())
+            refuse_existing(Path(args.output or default_output(args)), args.overwrite)  # before the job starts
         except TextgenError as exc:
             return refused(exc)
         what = quant_ if fmt_ in ("gguf", "gguf-lora") else fmt_
         return _start(f"export {name} {what}", lambda r, c: export(args, r, c))
 
     def start_merge(base_: str, lora: str, out: str) -> str:
+        from modules.lifecycle.convert import refuse_existing
         from modules.lifecycle.merge import MergeArgs, merge
 
         try:
             args = MergeArgs(_path(base_, "a base model"), _path(lora, "a LoRA", shared.loras_dir()),
                              _path(out or f"{base_}-{lora}-merged", "an output name"))  # fmt: skip
+            refuse_existing(args.output, args.overwrite)
         except TextgenError as exc:
             return refused(exc)
         return _start(f"merge {lora} into {base_}", lambda r, c: merge(args, r, c))
@@ -163,7 +169,7 @@ def build() -> None:
         frame = table_frame(table_job)
         return job_text(last), frame, frame
 
-    export_btn.click(admin_only("export models")(start_export), [source, fmt, quant, output, base, check], status,
+    export_btn.click(admin_only("export models")(start_export), [source, fmt, quant, output, base, check, replace], status,
                      queue=False)  # fmt: skip
     merge_btn.click(admin_only("merge LoRAs")(start_merge), [merge_base, merge_lora, merge_out], status, queue=False)
     table_btn.click(admin_only("quantize models")(start_table), [table_source, types], status, queue=False)

@@ -97,3 +97,12 @@ def test_export_panel_writes_a_gguf_and_refuses_a_bad_name(page, live_server_fac
     assert sorted(p.name for p in models.iterdir() if not p.name.startswith(".")) == [
         DEFAULT_MODEL, "tiny-llama", "tiny.Q8_0.gguf"
     ]  # fmt: skip
+    written = out.stat().st_mtime_ns
+    page.click("#export-start")  # the same name again: refused before anything runs, the file kept
+    status.get_by_text("exists").wait_for(timeout=10_000)
+    assert out.stat().st_mtime_ns == written
+    page.get_by_label("Replace the output if it exists").check()
+    page.click("#export-start")
+    page.wait_for_function("() => document.querySelector('#export-status').innerText.includes('done. wrote')",
+                           timeout=120_000)  # fmt: skip
+    assert out.stat().st_mtime_ns != written and quantize.tensor_types(out).get("Q8_0", 0) > 0

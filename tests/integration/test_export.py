@@ -109,6 +109,16 @@ def test_cli_merge_then_export_and_refusal(tiny_models: Path, tmp_path: Path) ->
     assert result["output"] == str(out) and result["quant"] == "Q4_0"
     types = quantize.tensor_types(out)
     assert types.get("Q4_0", 0) > 0 and "F16" not in types
+    exported = out.read_bytes()
+    for again in ([str(merged), "--quant", "Q4_0", "--output", str(out)], [str(base), "--format", "safetensors",
+                  "--output", str(merged)]):  # fmt: skip
+        refused = run("export", *again, "--no-check")  # an existing file or model is kept
+        assert refused.returncode == 1 and "exists" in refused.stderr and "--overwrite" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert out.read_bytes() == exported and (merged / "model.safetensors").is_file()
+    replaced = run("export", str(merged), "--quant", "Q8_0", "--output", str(out), "--no-check", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    assert quantize.tensor_types(out).get("Q8_0", 0) > 0
     refused = run("export", str(merged), "--quant", "IQ1_S", "--output", str(tmp_path / "x.gguf"))
     assert refused.returncode == 1
     assert "importance matrix" in refused.stderr and "Traceback" not in refused.stderr

@@ -111,8 +111,12 @@ def test_cli_exports_onnx_and_prints_the_check(tiny_models: Path, tmp_path: Path
     assert "greedy agreement 5/5 prompts" in done.stdout and "max |logit diff| vs transformers" in done.stdout
     assert (out / "model.onnx").is_file() and (out / "tokenizer.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli-onnx"]  # no .partial left beside it
-    done = subprocess.run([*cli, "--output", str(out), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = [*cli, "--output", str(out), "--json"]
+    refused = subprocess.run(again, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and "--overwrite" in refused.stderr  # the first export is kept
+    done = subprocess.run([*again, "--overwrite"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli-onnx"]  # the old folder went once the new was in
     result = json.loads(done.stdout[done.stdout.index("{") :])
     assert result["format"] == "onnx" and result["fidelity"]["top1_agreement"] == 1.0
 

@@ -42,9 +42,10 @@ def header(card: str) -> dict:
 
 
 def test_card_names_only_the_uploaded_files(export_folder: Path) -> None:
-    files, card = prepare(PushArgs(export_folder, "me/SmolLM2-secret-GGUF", license="apache-2.0"))
+    folder, files, card = prepare(PushArgs(export_folder, "me/SmolLM2-secret-GGUF", license="apache-2.0"))
+    assert folder == export_folder
     assert files == ["README.md", "SmolLM2-secret.Q4_K_M.gguf", "textgen_merge.json"]
-    assert (export_folder / "README.md").read_text() == card
+    assert not (export_folder / "README.md").exists()  # the card is sent from memory: the folder is not written
     meta = header(card)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert meta["license"] == "apache-2.0"
@@ -148,17 +149,79 @@ def test_a_staged_folder_gets_the_final_name_only_when_complete(tmp_path: Path) 
     output, cancel = tmp_path / "merged", threading.Event()
     (output / "old.txt").parent.mkdir()
     (output / "old.txt").write_text("old")
-    with pytest.raises(RuntimeError), staged_folder(output, cancel) as tmp:
+    with pytest.raises(InvalidRequest, match="exists"), staged_folder(output, cancel):
+        pass  # an existing folder is refused unless asked to replace it
+    with pytest.raises(RuntimeError), staged_folder(output, cancel, overwrite=True) as tmp:
         tmp.mkdir()  # the writer makes it (save_pretrained does)
         (tmp / "half.bin").write_text("half")
         raise RuntimeError("disk full")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"] and (output / "old.txt").is_file()
     cancel.set()
-    with pytest.raises(jobs.Cancelled), staged_folder(output, cancel) as tmp:
+    with pytest.raises(jobs.Cancelled), staged_folder(output, cancel, overwrite=True) as tmp:
         tmp.mkdir()
         (tmp / "half.bin").write_text("half")
     assert (output / "old.txt").is_file() and not (output / "half.bin").exists()
-    with staged_folder(output, threading.Event()) as tmp:
+    with staged_folder(output, threading.Event(), overwrite=True) as tmp:
         tmp.mkdir()
         (tmp / "new.bin").write_text("new")
     assert sorted(p.name for p in output.iterdir()) == ["new.bin"] and len(list(tmp_path.iterdir())) == 1
+
+
+def test_an_export_named_like_an_existing_model_is_refused_and_the_model_kept(tmp_path: Path) -> None:
+    from modules.lifecycle.export import ExportArgs, export
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    model = tmp_path / "models" / "My-Model"  # someone's model, where the export was told to go
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"weights")
+    gguf = tmp_path / "models" / "My-Model.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF old")
+    noop = lambda *a, **k: None  # noqa: E731
+    for args in (ExportArgs(source, "safetensors", output=model), ExportArgs(source, "onnx", output=model),
+                 ExportArgs(source, "gguf", "Q4_K_M", output=gguf), ExportArgs(source, "gguf", "F16", output=gguf)):  # fmt: skip
+        with pytest.raises(InvalidRequest, match=r"exists.*--overwrite"):
+            export(args, noop, threading.Event())
+    with pytest.raises(InvalidRequest, match="inside it"):
+        export(ExportArgs(source, "safetensors", output=source / "out", overwrite=True), noop, threading.Event())
+    assert (model / "model.safetensors").read_bytes() == b"weights" and gguf.read_bytes() == b"GGUF old"
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["My-Model", "My-Model.Q4_K_M.gguf"]
+
+
+def test_a_pushed_gguf_goes_alone_and_no_path_or_token_leaves(tmp_path: Path, push_hub) -> None:  # type: ignore[no-untyped-def]
+    from modules.lifecycle.merge import merge_info
+
+    models = tmp_path / "models"  # an export written beside its source, among other models
+    (models / "Other-Model").mkdir(parents=True)
+    (models / "Other-Model" / "model.safetensors").write_bytes(b"not yours to push")
+    (models / "README.md").write_text("my notes")
+    gguf = models / "Mine.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 100)
+    args = PushArgs(gguf, "me/Mine-GGUF", token="hf_me", endpoint=push_hub.url)
+    assert "hf_me" not in repr(args)
+    result = push(args, lambda *a, **k: None, threading.Event())
+    repo = push_hub.repos["me/Mine-GGUF"]
+    assert sorted(repo.files) == result["files"] == ["Mine.Q4_K_M.gguf", "README.md"]
+    assert (models / "README.md").read_text() == "my notes"  # nothing written into the user's folder
+    # a merged model records its base, adapter and training by name: no path of this machine reaches the Hub
+    lora = tmp_path / "loras" / "secret"
+    lora.mkdir(parents=True)
+    (lora / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(models / "Base"), "r": 8}))
+    training = {"model_name": str(models / "Base"), "dataset": str(tmp_path / "data" / "secret.jsonl"), "epochs": 3}
+    (lora / "training_parameters.json").write_text(json.dumps(training))
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "model.safetensors").write_bytes(b"x")
+    (merged / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (merged / MERGE_INFO).write_text(json.dumps(merge_info(models / "Base", lora, "float16", False)))
+    push(PushArgs(merged, "me/merged", token="hf_me", endpoint=push_hub.url), lambda *a, **k: None, threading.Event())
+    pushed = push_hub.repos["me/merged"].files
+    assert sorted(pushed) == ["README.md", "config.json", "model.safetensors", MERGE_INFO]
+    for name, data in pushed.items():
+        assert str(tmp_path).encode() not in data and b"hf_me" not in data, name
+    assert b"secret.jsonl" in pushed["README.md"] and b"Base" in pushed[MERGE_INFO]
+    # a README.md the folder has is the user's card: sent as it is, never replaced
+    (merged / "README.md").write_text("# my own card")
+    push(PushArgs(merged, "me/merged", token="hf_me", endpoint=push_hub.url), lambda *a, **k: None, threading.Event())
+    assert pushed["README.md"] == b"# my own card" and (merged / "README.md").read_text() == "# my own card"
