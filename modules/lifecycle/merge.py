@@ -93,6 +93,8 @@ def merge(args: MergeArgs, report: jobs.Reporter, cancel: threading.Event) -> Pa
         raise InvalidRequest(f"{base} is not a Hugging Face model folder (no config.json)", "base")
     if not (lora / "adapter_config.json").is_file():
         raise InvalidRequest(f"{lora} is not a PEFT adapter folder (no adapter_config.json)", "lora")
+    if output.resolve() in (base.resolve(), lora.resolve()):
+        raise InvalidRequest(f"the output {output} is the base or the adapter; choose another folder", "output")
     refuse_existing(output, args.overwrite)
     dtype = _dtype(args.dtype)
     report(done=0, total=4, message="loading the base model")

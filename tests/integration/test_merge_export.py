@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from modules.errors import InvalidRequest
 from modules.generation.params import GenerationParams
 from modules.lifecycle.export import ExportArgs, export
 from modules.lifecycle.merge import MERGE_INFO, MergeArgs, merge
@@ -113,8 +114,11 @@ def test_merge_equals_the_adapter_applied(tiny_models: Path, tmp_path: Path) -> 
         got = AutoModelForCausalLM.from_pretrained(str(merged))(ids).logits
     assert torch.allclose(got, want, atol=1e-4)
     assert not torch.allclose(got, plain, atol=1e-2)  # the adapter really changed the model
-    with pytest.raises(Exception, match="exists"):
+    with pytest.raises(InvalidRequest, match="exists"):
         merge(MergeArgs(base, lora, merged), noop, threading.Event())
+    with pytest.raises(InvalidRequest, match="the base or the adapter"):  # not even when asked to replace
+        merge(MergeArgs(base, lora, base, overwrite=True), noop, threading.Event())
+    assert (base / "config.json").is_file()
 
 
 def test_lora_becomes_a_llama_cpp_adapter(tiny_models: Path, tiny_base_gguf: Path, tmp_path: Path) -> None:
