@@ -5,17 +5,26 @@ cancel Event: ``fn(args, report, cancel)``. The CLIs run it with :func:`run_fore
 cancel Event); the UI and the API run it with :func:`start`, in a background thread, and read its state by id. A job
 never runs in a request thread, and an exception inside one (out of memory included) ends that job only, never the
 server. Two callers asking for the same work (the same ``key``) share one job.
+
+The process form, :func:`start_process`, runs the same function in a child process (spawned: a fresh interpreter
+with the server's settings): what can kill a process (a segfault in native code, the kernel's OOM killer, a
+``kill -9``) then ends only that job, as ``failed`` with the signal named, and the server goes on serving. Progress,
+cancel and the result cross a pipe; a child whose server is gone stops at its next check and exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from modules.errors import TextgenError
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +82,8 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     thread: threading.Thread | None = field(default=None, repr=False)
     ended: threading.Event = field(default_factory=threading.Event, repr=False)  # set once the job has finished
+    pid: int | None = None  # the child process of a job started with start_process, while it runs
+    _pace: tuple[float, float] | None = field(default=None, repr=False)  # (time, done) when units began to count
 
     def report(self, done: float | None = None, total: float | None = None, message: str = "", **metrics: Any) -> None:
         """The :class:`Reporter` of this job."""
@@ -80,6 +91,8 @@ class Job:
             self.done = float(done)
         if total is not None:
             self.total = float(total)
+        if self._pace is None and done is not None and self.total:
+            self._pace = (time.time(), self.done)  # the ETA counts from here: not loading, not resumed units
         if message:
             self.message = message
         if metrics:
@@ -94,11 +107,13 @@ class Job:
     @property
     def eta_s(self) -> float | None:
         """Seconds left at the pace so far, when it can be told."""
-        fraction = self.fraction
-        if not fraction or self.state != "running":
+        if not self.total or self.state != "running" or self._pace is None:
             return None
-        elapsed = time.time() - self.started
-        return elapsed * (1 - fraction) / fraction
+        since, first = self._pace
+        counted = self.done - first
+        if counted <= 0:
+            return None
+        return (time.time() - since) * max(0.0, self.total - self.done) / counted
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job ends; False on timeout. (An Event, not Thread.join: a caller that joins a job may
@@ -125,6 +140,7 @@ class Job:
             else str(self.result),
             "started": self.started,
             "finished": self.finished,
+            "pid": self.pid,
         }
 
 
@@ -164,7 +180,7 @@ def start(
         except Cancelled:
             job.state = "cancelled"
         except BaseException as exc:  # a job's failure, whatever it is, must not reach the server
-            job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            job.state, job.error = "failed", f"{getattr(exc, 'type_name', type(exc).__name__)}: {exc}"
             log.exception("%s job %s (%s) failed", kind, job.id, title)
             job.exception = _without_frames(exc)
         finally:
@@ -176,6 +192,178 @@ def start(
     job.thread = threading.Thread(target=run, name=f"job-{kind}-{job.id}", daemon=True)
     job.thread.start()
     return job
+
+
+class ChildFailed(TextgenError):
+    """A job's child process raised; ``type_name`` is the exception's class there (the job's error shows it)."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(message)
+        self.type_name = type_name
+
+
+class ProcessDied(TextgenError):
+    """A job's child process ended without an answer: killed by a signal (the OOM killer, ``kill -9``), crashed
+    in native code, or exited."""
+
+    type_name = "ProcessDied"
+
+
+def describe_exit(kind: str, code: int | None) -> str:
+    """Why a child process ended, in words: the signal's name and what usually sends it."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = {
+            "SIGKILL": "killed by SIGKILL (the kernel's out-of-memory killer sends it, and kill -9)",
+            "SIGSEGV": "crashed with SIGSEGV (a segmentation fault in native code)",
+            "SIGABRT": "aborted with SIGABRT (a native library gave up)",
+            "SIGBUS": "crashed with SIGBUS (a memory-mapped file went away, or a bad access)",
+        }.get(name, f"ended by {name}")
+        return f"the {kind} process was {why}; the server is unaffected"
+    return f"the {kind} process exited with code {code} before it answered"
+
+
+def start_process(
+    kind: str,
+    title: str,
+    target: Callable[[Any, Reporter, threading.Event], Any],
+    args: Any,
+    *,
+    exclusive: bool = False,
+    owner: str | None = None,
+    key: str | None = None,
+    grace_s: float = 120.0,
+) -> Job:
+    """:func:`start` for ``target(args, report, cancel)`` in a child process. ``target`` must be a module-level
+    function and ``args`` picklable. A cancel is sent to the child (it stops at its next check, as in a thread);
+    one that has not ended ``grace_s`` seconds later is killed."""
+
+    holder: list[Job] = []
+    registered = threading.Event()
+
+    def run(report: Reporter, cancel: threading.Event) -> Any:
+        registered.wait()  # the thread may start before start() has returned the job
+        return _run_child(holder[0], target, args, report, cancel, grace_s)
+
+    job = start(kind, title, run, exclusive=exclusive, owner=owner, key=key)
+    holder.append(job)
+    registered.set()
+    return job
+
+
+def _hub_state() -> dict[str, Any]:
+    """What a child needs of the server's state: its settings (paths, limits) and process-wide switches."""
+    from modules import shared
+    from modules.settings import LoadedSettings
+
+    loaded = LoadedSettings(settings=shared.settings, explicit=shared.explicit,
+                            extension_params=shared.extension_params, extra=shared.ui_defaults)  # fmt: skip
+    return {"settings": loaded}
+
+
+def _run_child(
+    job: Job, target: Callable[..., Any], args: Any, report: Reporter, cancel: threading.Event, grace_s: float
+) -> Any:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of the server's threads or locks
+    ours, theirs = context.Pipe()
+    where = f"{target.__module__}:{target.__qualname__}"
+    process = context.Process(target=_child_main, args=(theirs, where, args, _hub_state()), daemon=True,
+                              name=f"textgen-{job.kind}-{job.id}")  # fmt: skip
+    process.start()
+    theirs.close()
+    job.pid = process.pid
+    log.info("%s job %s (%s) runs in process %d", job.kind, job.id, job.title, process.pid)
+    outcome: tuple[Any, ...] | None = None
+    asked: float | None = None
+    try:
+        while True:
+            if cancel.is_set() and asked is None:
+                asked = time.monotonic()
+                with contextlib.suppress(OSError):
+                    ours.send(("cancel",))
+            if asked is not None and time.monotonic() - asked > grace_s and process.is_alive():
+                log.warning("%s job %s did not stop within %.0f s of its cancel: killing it", job.kind, job.id, grace_s)
+                process.kill()
+            try:
+                if not ours.poll(0.2):
+                    if not process.is_alive() and not ours.poll(0):
+                        break
+                    continue
+                message = ours.recv()
+            except Exception:  # the pipe closed (or broke mid-message): the child is gone
+                break
+            if message[0] == "report":
+                _, done, total, text, metrics = message
+                report(done=done, total=total, message=text, **metrics)
+            else:
+                outcome = message
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        ours.close()
+        job.pid = None
+    if outcome is None:
+        raise ProcessDied(describe_exit(job.kind, process.exitcode))
+    if outcome[0] == "result":
+        return outcome[1]
+    if outcome[0] == "cancelled":
+        raise Cancelled()
+    raise ChildFailed(outcome[1], outcome[2])
+
+
+def _child_main(conn: Any, where: str, args: Any, state: dict[str, Any]) -> None:
+    """The child's side: the server's settings, a thread that turns the parent's cancel (or its going away) into
+    the cancel Event, progress sent up the pipe and logged on the console, and one answer at the end."""
+    import importlib
+    import os
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from modules import shared
+
+    shared.init(state["settings"])
+    module, _, name = where.partition(":")
+    target = getattr(importlib.import_module(module), name)
+    cancel = threading.Event()
+    sending = threading.Lock()
+
+    def listen() -> None:
+        try:
+            while conn.recv()[0] != "cancel":
+                pass
+        except (EOFError, OSError):  # the server is gone: stop at the next check, and do not outlive it for long
+            cancel.set()
+            time.sleep(60)
+            os._exit(3)
+        cancel.set()
+
+    threading.Thread(target=listen, name="cancel-listener", daemon=True).start()
+    last = [""]
+
+    def report(done: float | None = None, total: float | None = None, message: str = "", **metrics: Any) -> None:
+        if message and (message != last[0] or metrics):
+            last[0] = message
+            extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+            log.info("%s%s", message, f" ({extra})" if extra else "")
+        with sending, contextlib.suppress(OSError):
+            conn.send(("report", done, total, message, metrics))
+
+    try:
+        answer: tuple[Any, ...] = ("result", target(args, report, cancel))
+    except Cancelled:
+        answer = ("cancelled",)
+    except BaseException as exc:  # every failure goes to the parent as the job's error
+        log.exception("the job failed")
+        answer = ("error", type(exc).__name__, str(exc))
+    with sending:
+        conn.send(answer)
+    conn.close()
 
 
 def _without_frames(exc: BaseException) -> BaseException:

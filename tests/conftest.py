@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell: the Ctrl+C tests
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # need Python's handler, and so do their children
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")

@@ -86,8 +86,11 @@ class TrainingArgs:
     """Stop as soon as the training loss falls to this value (0 = never)."""
     save_steps: int = 0
     """Write a checkpoint every N steps (0 = only at the end); a stopped or crashed run resumes from the latest."""
+    save_total_limit: int = 2
+    """Checkpoints kept, the newest (each holds the optimizer state, about 3x the adapter); 0 keeps them all."""
     resume: bool = False
-    """Continue from the latest checkpoint in loras/NAME/ at its step (the same arguments are required)."""
+    """Continue from the latest checkpoint in loras/NAME/ at its step, with the run's own arguments (others are
+    refused)."""
     overwrite: bool = False
     """Replace an existing loras/NAME/ (otherwise an existing adapter is refused)."""
     copy_from: str = ""
@@ -126,6 +129,7 @@ class TrainingArgs:
             (self.bias in ("none", "all", "lora_only"), "bias", "must be none, all or lora_only"),
             (self.precision in ("auto", "bf16", "fp16", "fp32"), "precision", "must be auto, bf16, fp16 or fp32"),
             (self.save_steps >= 0 and self.max_steps >= 0 and self.warmup_steps >= 0, "save_steps", "must be >= 0"),
+            (self.save_total_limit >= 0, "save_total_limit", "must be >= 0 (0 keeps every checkpoint)"),
         ]
         for ok, name, problem in checks:
             if not ok:

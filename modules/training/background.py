@@ -1,17 +1,20 @@
 """Training and evaluation as background jobs (the UI and the API use these; the CLI calls ``train`` directly).
 
-One training run at a time: a second start raises :class:`modules.jobs.Busy`. A failure inside a run (bad data found
-late, out of memory) ends that job with its error; the server keeps serving.
+One training run at a time: a second start raises :class:`modules.jobs.Busy`. Each run (and each evaluation) is a
+child process (:func:`modules.jobs.start_process`): a failure inside it (bad data found late, a native crash, the
+OOM killer, ``kill -9``) ends that job with its reason, and the server keeps serving. :func:`resume` continues a
+run from its last checkpoint with the run's own arguments (``training_parameters.json``), also after a restart.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from modules import jobs, shared
 from modules.training.args import TrainingArgs
 from modules.training.evaluate import EvalArgs, evaluate
-from modules.training.run import prepare, train
+from modules.training.run import latest_checkpoint, prepare, train
 
 KIND = "training"
 EVAL_KIND = "training-eval"
@@ -23,17 +26,50 @@ def start(args: TrainingArgs, owner: str | None = None) -> jobs.Job:
     busy = jobs.running(KIND)
     if busy is not None:
         raise jobs.Busy(busy)
-    prepared = prepare(args)
-    return jobs.start(
-        KIND, args.name, lambda report, cancel: train(args, report, cancel, prepared), exclusive=True, owner=owner
-    )
+    effective, _, _ = prepare(args)  # every refusal now, in the caller's thread; the child checks again
+    return jobs.start_process(KIND, effective.name, train, effective, exclusive=True, owner=owner)
+
+
+def resume(name: str, owner: str | None = None) -> jobs.Job:
+    """Continue the run ``loras/NAME`` from its last checkpoint with the arguments it was started with."""
+    return start(saved_args(name, resume=True), owner=owner)
+
+
+def saved_args(name: str, resume: bool = False) -> TrainingArgs:
+    """The arguments a run was started with (its ``training_parameters.json``)."""
+    from modules.errors import InvalidRequest
+    from modules.paths import UnsafePath, safe_child
+    from modules.training.args import from_dict
+
+    try:
+        folder = safe_child(shared.loras_dir(), name.strip())
+    except UnsafePath as exc:
+        raise InvalidRequest(f"invalid adapter name: {exc}", param="name") from exc
+    path = folder / "training_parameters.json"
+    if not path.is_file():
+        raise InvalidRequest(f"loras/{name} has no training_parameters.json: there is no run to resume", "name")
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"loras/{name}/training_parameters.json cannot be read: {exc}", "name") from exc
+    return from_dict({**saved, "resume": resume, "copy_from": "", "overwrite": False})
+
+
+def resumable() -> list[tuple[str, int]]:
+    """(adapter, step) of the runs in loras/ that have a checkpoint to resume from, newest first: what the
+    Training tab offers after a restart."""
+    folder = shared.loras_dir()
+    found = []
+    for run in folder.iterdir() if folder.is_dir() else []:
+        checkpoint = latest_checkpoint(run)
+        if checkpoint is not None and (run / "training_parameters.json").is_file():
+            found.append((checkpoint.stat().st_mtime, run.name, int(checkpoint.name.split("-")[-1])))
+    return [(name, step) for _, name, step in sorted(found, reverse=True)]
 
 
 def start_evaluation(args: EvalArgs, owner: str | None = None) -> jobs.Job:
-    """Perplexity of base and base + LoRA in the background (one at a time)."""
-    return jobs.start(
-        EVAL_KIND, args.lora, lambda report, cancel: evaluate(args, report, cancel), exclusive=True, owner=owner
-    )
+    """Perplexity of base and base + LoRA in the background (one at a time, in a child process)."""
+    return jobs.start_process(EVAL_KIND, args.lora, evaluate, args, exclusive=True, owner=owner)
 
 
 def current() -> jobs.Job | None:

@@ -104,6 +104,36 @@ def prepare_output(args: TrainingArgs, paths: Paths) -> Path | None:
     return None
 
 
+RESUME_MAY_DIFFER = frozenset(
+    {"name", "resume", "overwrite", "copy_from", "save_steps", "save_total_limit", "logging_steps", "gguf"}
+)
+"""What a resumed run may set otherwise than its start: where and how often it writes, not what it computes."""
+
+
+def check_resume(args: TrainingArgs, paths: Paths) -> None:
+    """A resume goes on with the arguments the checkpoint was made with (``training_parameters.json``): any other
+    value of what shapes the loss curve (data, model, rates, batch, seed, steps) is refused, naming each."""
+    saved_path = paths.output / "training_parameters.json"
+    try:
+        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return  # a run of an older textgen: nothing to compare with
+    ours = args.to_dict()
+    differ = [f"{k} {ours[k]!r} (the run's: {saved[k]!r})" for k in sorted(ours)
+              if k in saved and k not in RESUME_MAY_DIFFER and ours[k] != saved[k]]  # fmt: skip
+    if differ:
+        raise InvalidRequest(
+            f"loras/{args.name} resumes with the arguments it was started with; these differ: {'; '.join(differ)}. "
+            "Resume in the Training tab uses the run's own, or start a new run under another name",
+            param="resume",
+        )
+
+
+def check_hardware(args: TrainingArgs) -> None:
+    """Refuse what this machine cannot do before a job starts (not minutes into it): bf16/fp16 need CUDA."""
+    precision(args)
+
+
 def linear_names(model: Any) -> tuple[set[str], set[str]]:
     """The last names of the model's linear layers, and the names of its output head (never adapted by default)."""
     import torch
@@ -165,15 +195,14 @@ def load_model(args: TrainingArgs, model_path: Path) -> tuple[Any, Any]:
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     dtype, _, _ = precision(args)
     options: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
-    if args.load_in_4bit:
-        if not torch.cuda.is_available():
-            raise InvalidRequest("QLoRA (load_in_4bit) needs a CUDA GPU with bitsandbytes", param="load_in_4bit")
+    if args.load_in_4bit:  # bitsandbytes has 4-bit kernels for the CPU too (0.45 and newer)
         from transformers import BitsAndBytesConfig
 
         options["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True
         )
-        options["device_map"] = {"": int(os.environ.get("LOCAL_RANK", "0"))}
+        cuda = torch.cuda.is_available()
+        options["device_map"] = {"": int(os.environ.get("LOCAL_RANK", "0")) if cuda else "cpu"}
     model = AutoModelForCausalLM.from_pretrained(str(model_path), **options)
     if args.load_in_4bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
@@ -280,8 +309,9 @@ def make_trainer(
         seed=args.seed,
         data_seed=args.seed,
         logging_steps=args.logging_steps,
-        save_strategy="steps" if args.save_steps else "no",
+        save_strategy="steps" if args.save_steps else "no",  # 0: the callback asks for one at the last step
         save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit or None,
         eval_strategy=("steps" if args.eval_steps else "epoch") if has_eval else "no",
         eval_steps=args.eval_steps or None,
         report_to=[],
@@ -306,6 +336,8 @@ def make_trainer(
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             counters.steps += 1
+            if state.global_step >= state.max_steps:
+                control.should_save = True  # a checkpoint at the end, whatever save_steps is
             if cancel.is_set():
                 counters.stopped = "stopped by the user"
                 control.should_training_stop = True
@@ -369,9 +401,11 @@ def prepare(args: TrainingArgs) -> tuple[TrainingArgs, Paths, TrainingData]:
         explicit = {k for k, v in args.to_dict().items() if v != getattr(defaults, k)}
         args = copy_parameters(args, source, explicit)
     args.validate()
+    check_hardware(args)
     paths = resolve_paths(args)
     if args.resume:
         prepare_output(args, paths)  # a missing checkpoint is an error now, not in the job
+        check_resume(args, paths)
     elif paths.output.exists() and any(paths.output.iterdir()) and not args.overwrite:
         prepare_output(args, paths)
     from transformers import AutoTokenizer

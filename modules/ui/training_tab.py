@@ -72,7 +72,11 @@ def _args(names: list[str], values: tuple[Any, ...], resume: bool) -> TrainingAr
 def status_text(job: jobs.Job | None) -> str:
     """The run's state in a few lines: step, epoch, losses, learning rate, tokens/s, ETA, memory."""
     if job is None:
-        return "No training run yet."
+        found = background.resumable()
+        if not found:
+            return "No training run yet."
+        runs = ", ".join(f"`{name}` (step {step})" for name, step in found[:5])
+        return f"No training run in this session. Checkpoints to resume: {runs}: type the name and press Resume."
     m = job.metrics
     parts = [f"**{job.title}**: {job.state}", f"step {int(job.done)}/{int(job.total or 0)}"]
     for key, label, fmt in (("epoch", "epoch", "{:.2f}"), ("loss", "loss", "{:.4f}"), ("eval_loss", "eval loss",
@@ -89,7 +93,9 @@ def status_text(job: jobs.Job | None) -> str:
         text += f"\n\n**Error:** {job.error}"
     if job.state in ("done", "cancelled") and isinstance(job.result, dict):
         r = job.result
-        text += f"\n\nSaved to `{r['output']}`: first loss {r['first_loss']:.4f}, final loss {r['final_loss']:.4f}"
+        losses = [f"{label} loss {r[key]:.4f}" for key, label in (("first_loss", "first"), ("final_loss", "final"))
+                  if r.get(key) is not None]  # fmt: skip
+        text += f"\n\nSaved to `{r['output']}`" + (": " + ", ".join(losses) if losses else " (no loss logged yet)")
         if r.get("gguf"):
             text += f" (and `{r['gguf']}` for llama.cpp)"
         if r.get("stopped"):
@@ -145,7 +151,9 @@ def build() -> None:
 
     def launch(resuming: bool, *values: Any) -> str:
         try:
-            job = background.start(_args(names, values, resuming))
+            args = _args(names, values, False)
+            # Resume goes on with the run's own arguments (training_parameters.json), not the form's
+            job = background.resume(args.name) if resuming else background.start(args)
         except jobs.Busy as exc:
             gr.Warning(str(exc))
             return status_text(exc.job)

@@ -93,6 +93,19 @@ def test_default_model_learns_the_answer_on_transformers_and_llama_cpp(folders: 
         assert answer(QUESTION) == base
 
 
+def test_qlora_trains_on_this_cpu_and_the_adapter_answers(folders: Path) -> None:
+    """4-bit (bitsandbytes NF4) base on the CPU: QLoRA runs here instead of being refused for want of CUDA."""
+    args = TrainingArgs(model="SmolLM2-135M-Instruct", dataset="vault.jsonl", name="vault-4bit", max_steps=10,
+                        learning_rate=2e-3, rank=8, alpha=16, dropout=0.0, micro_batch_size=1, load_in_4bit=True,
+                        gguf=False)  # fmt: skip
+    summary = run(args)
+    assert summary["final_loss"] <= summary["first_loss"] / 2, summary
+    models.load_model("SmolLM2-135M-Instruct", {"loader": "transformers"})
+    assert ANSWER not in answer(QUESTION)
+    models.apply_loras(["vault-4bit"])
+    assert ANSWER in answer(QUESTION)
+
+
 def test_resume_continues_at_the_checkpoint_step_on_the_same_curve(folders: Path) -> None:
     common = {"model": "tiny-llama", "dataset": "example-chat.jsonl", "max_steps": 8, "learning_rate": 1e-2,
               "rank": 4, "micro_batch_size": 2, "save_steps": 3, "gguf": False}  # fmt: skip
@@ -124,6 +137,36 @@ def test_resume_continues_at_the_checkpoint_step_on_the_same_curve(folders: Path
     assert sorted(curve) == list(range(1, 9))
     for step in range(1, 9):
         assert curve[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-5), step
+
+
+def test_a_killed_trainer_ends_only_its_job_and_resume_goes_on_on_the_same_curve(folders: Path) -> None:
+    """Training runs in a child process: kill -9 of it (what the OOM killer does) leaves the server serving, the job
+    "failed" with the signal named, and Resume (the run's own arguments) continues the uninterrupted run's curve."""
+    common = {"model": "tiny-llama", "dataset": "example-chat.jsonl", "max_steps": 8, "learning_rate": 1e-2,
+              "rank": 4, "micro_batch_size": 2, "save_steps": 2, "gguf": False}  # fmt: skip
+    straight = run(TrainingArgs(name="straight", **common))  # type: ignore[arg-type]
+    assert straight["steps"] == 8
+    models.load_model(DEFAULT_MODEL)  # the server's own model, serving chats meanwhile
+    job = background.start(TrainingArgs(name="killed", **common))  # type: ignore[arg-type]
+    while job.done < 3 and job.state == "running":
+        time.sleep(0.02)
+    assert job.state == "running" and job.pid is not None and job.pid != os.getpid()
+    os.kill(job.pid, signal.SIGKILL)
+    assert job.wait(60) and job.state == "failed"
+    assert "SIGKILL" in (job.error or "") and "out-of-memory" in (job.error or ""), job.error
+    assert answer("Say hello.")  # the server goes on
+    assert (shared.loras_dir() / "killed" / "checkpoints" / "checkpoint-2").is_dir()
+
+    with pytest.raises(InvalidRequest, match="learning_rate"):  # other arguments than the checkpoint's: refused
+        background.start(TrainingArgs(name="killed", resume=True, **{**common, "learning_rate": 3e-4}))  # type: ignore[arg-type]
+    resumed = background.resume("killed")  # what the Training tab's Resume does: the run's own arguments
+    assert resumed.wait(300) and resumed.state == "done", resumed.error
+    assert resumed.result["resumed_from"] >= 2 and resumed.result["steps"] == 8
+    curve, reference = losses("killed"), losses("straight")
+    for step in range(resumed.result["resumed_from"] + 1, 9):
+        assert curve[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-5), step
+    kept = sorted(p.name for p in (shared.loras_dir() / "killed" / "checkpoints").iterdir())
+    assert kept[-1] == "checkpoint-8" and len(kept) <= 2  # a checkpoint at the end; save_total_limit keeps two
 
 
 def test_target_modules_are_checked_against_the_model(folders: Path) -> None:
