@@ -158,15 +158,27 @@ def from_dict(values: dict[str, Any]) -> TrainingArgs:
     return TrainingArgs(**values)
 
 
-def copy_parameters(args: TrainingArgs, lora_dir: Path, explicit: set[str]) -> TrainingArgs:
-    """``args`` with the fields of an earlier run's training_parameters.json, but for those in ``explicit``."""
-    path = lora_dir / "training_parameters.json"
+PARAMETERS_FILE = "training_parameters.json"
+
+
+def saved_parameters(lora_dir: Path, param: str, missing: str) -> dict[str, Any]:
+    """A run's ``training_parameters.json`` (what copy-from, resume and its check read); an InvalidRequest on
+    ``param`` that says ``missing`` when there is none, or why it cannot be read."""
+    path = lora_dir / PARAMETERS_FILE
     if not path.is_file():
-        raise InvalidRequest(f"{lora_dir.name} has no training_parameters.json to copy from", param="copy_from")
+        raise InvalidRequest(f"loras/{lora_dir.name} has no {PARAMETERS_FILE}: {missing}", param=param)
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"{path}: cannot read it ({exc})", param="copy_from") from exc
+        raise InvalidRequest(f"{path}: cannot read it ({exc})", param=param) from exc
+    if not isinstance(saved, dict):
+        raise InvalidRequest(f"{path}: not a JSON object", param=param)
+    return saved
+
+
+def copy_parameters(args: TrainingArgs, lora_dir: Path, explicit: set[str]) -> TrainingArgs:
+    """``args`` with the fields of an earlier run's training_parameters.json, but for those in ``explicit``."""
+    saved = saved_parameters(lora_dir, "copy_from", "nothing to copy from")
     keep = {"name", "copy_from", "resume", "overwrite"} | explicit
     merged = {**{k: v for k, v in saved.items() if k not in keep}, **{k: getattr(args, k) for k in keep}}
     return from_dict({k: v for k, v in merged.items() if k in {f.name for f in fields(TrainingArgs)}})

@@ -8,11 +8,10 @@ run from its last checkpoint with the run's own arguments (``training_parameters
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from modules import jobs, shared
-from modules.training.args import TrainingArgs
+from modules.training.args import PARAMETERS_FILE, TrainingArgs
 from modules.training.evaluate import EvalArgs, evaluate
 from modules.training.run import latest_checkpoint, prepare, train
 
@@ -39,19 +38,13 @@ def saved_args(name: str, resume: bool = False) -> TrainingArgs:
     """The arguments a run was started with (its ``training_parameters.json``)."""
     from modules.errors import InvalidRequest
     from modules.paths import UnsafePath, safe_child
-    from modules.training.args import from_dict
+    from modules.training.args import from_dict, saved_parameters
 
     try:
         folder = safe_child(shared.loras_dir(), name.strip())
     except UnsafePath as exc:
         raise InvalidRequest(f"invalid adapter name: {exc}", param="name") from exc
-    path = folder / "training_parameters.json"
-    if not path.is_file():
-        raise InvalidRequest(f"loras/{name} has no training_parameters.json: there is no run to resume", "name")
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"loras/{name}/training_parameters.json cannot be read: {exc}", "name") from exc
+    saved = saved_parameters(folder, "name", "there is no run to resume")
     return from_dict({**saved, "resume": resume, "copy_from": "", "overwrite": False})
 
 
@@ -62,7 +55,7 @@ def resumable() -> list[tuple[str, int]]:
     found = []
     for run in folder.iterdir() if folder.is_dir() else []:
         checkpoint = latest_checkpoint(run)
-        if checkpoint is not None and (run / "training_parameters.json").is_file():
+        if checkpoint is not None and (run / PARAMETERS_FILE).is_file():
             found.append((checkpoint.stat().st_mtime, run.name, int(checkpoint.name.split("-")[-1])))
     return [(name, step) for _, name, step in sorted(found, reverse=True)]
 

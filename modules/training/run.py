@@ -23,7 +23,7 @@ from modules.fileio import atomic_write_text
 from modules.jobs import Reporter
 from modules.paths import UnsafePath, safe_child
 from modules.training import outputs
-from modules.training.args import TrainingArgs
+from modules.training.args import PARAMETERS_FILE, TrainingArgs, saved_parameters
 from modules.training.datasets import IGNORE, Sample, TrainingData, load_training_data, resolve_file
 
 log = logging.getLogger(__name__)
@@ -113,11 +113,9 @@ RESUME_MAY_DIFFER = frozenset(
 def check_resume(args: TrainingArgs, paths: Paths) -> None:
     """A resume goes on with the arguments the checkpoint was made with (``training_parameters.json``): any other
     value of what shapes the loss curve (data, model, rates, batch, seed, steps) is refused, naming each."""
-    saved_path = paths.output / "training_parameters.json"
-    try:
-        saved = json.loads(saved_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    if not (paths.output / PARAMETERS_FILE).is_file():
         return  # a run of an older textgen: nothing to compare with
+    saved = saved_parameters(paths.output, "resume", "")
     ours = args.to_dict()
     differ = [f"{k} {ours[k]!r} (the run's: {saved[k]!r})" for k in sorted(ours)
               if k in saved and k not in RESUME_MAY_DIFFER and ours[k] != saved[k]]  # fmt: skip
