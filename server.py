@@ -27,6 +27,9 @@ log = logging.getLogger("textgen")
 def health() -> JSONResponse:
     """200 when a model is loaded and ready, 503 while one loads or when none is."""
     if shared.model is not None:
+        engine = shared.model.stats().get("engine")
+        if engine not in (None, "serving"):  # the engine behind it died (and may be starting again)
+            return JSONResponse({"status": f"engine {engine}", "model": shared.model_name}, status_code=503)
         return JSONResponse({"status": "ok", "model": shared.model_name})
     if shared.loading_model:
         return JSONResponse({"status": "loading", "model": shared.loading_model}, status_code=503)
@@ -133,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         for port in ports
     ]
     sockets = [config.bind_socket() for config in configs]  # one server on every port (--api-port too)
-    uvicorn.Server(configs[0]).run(sockets=sockets)
+    try:
+        uvicorn.Server(configs[0]).run(sockets=sockets)
+    finally:
+        models.unload_model()  # a model's own processes (a vLLM engine) end with the server
     return 0
 
 

@@ -30,13 +30,13 @@ def free_port() -> int:
 class Server:
     """A server process on 127.0.0.1 that is stopped on exit."""
 
-    def __init__(self, argv: list[str], port: int, health: str) -> None:
+    def __init__(self, argv: list[str], port: int, health: str, timeout: float = 120) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {Path(self.log.name).read_text()[-3000:]}")
@@ -59,11 +59,11 @@ class Server:
             self.proc.kill()
 
 
-def textgen(*args: str) -> Server:
+def textgen(*args: str, timeout: float = 120) -> Server:
     port = free_port()
     user_data = tempfile.mkdtemp(prefix="bench-ud-")
     argv = [sys.executable, "server.py", "--nowebui", "--listen-port", str(port), "--user-data-dir", user_data, *args]
-    return Server(argv, port, "/health")
+    return Server(argv, port, "/health", timeout)
 
 
 def llama_cpp_server(*args: str) -> Server:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import llama_engine, load, spec_ceiling, transformers_engine, ui_bench
+from bench import llama_engine, load, spec_ceiling, transformers_engine, ui_bench, vllm_engine
 from bench.common import RESULTS, ROOT, machine, write_result
 
 BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "transformers_concurrency": transformers_engine.concurrency,
     "ui_latency": ui_bench.run,
     "load": load.run,
+    "vllm": vllm_engine.run,
 }
 DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -219,6 +220,31 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 f"{r['rss_mb']['after_warmup']:.0f} MB (after warm-up)",
                 f"{growth:+.1f} MB",
                 "< +50 MB",
+            ),
+        ]
+    if name == "vllm":
+        n = r["clients"]
+        return [
+            (
+                f"{n} streams through textgen -> vLLM: aggregate tokens/s",
+                f"{r['textgen_vllm_tokens_per_s']:.1f}",
+                f"{r['vllm_direct_tokens_per_s']:.1f} (the same vLLM, direct)",
+                f"{r['ratio']:.3f}",
+                ">= 0.95",
+            ),
+            (
+                f"{n} streams through textgen -> vLLM: p95 time to first token",
+                f"{r['textgen_vllm_p95_ttft_s']:.2f} s",
+                f"{r['vllm_direct_p95_ttft_s']:.2f} s (direct)",
+                f"{r['ttft_gap_s']:+.2f} s",
+                "within 0.1 s",
+            ),
+            (
+                f"{n} streams, textgen's llama.cpp engine (Q4_1), same run",
+                f"{r['llama_cpp_tokens_per_s']:.1f}",
+                f"{r['textgen_vllm_tokens_per_s']:.1f} (textgen -> vLLM)",
+                f"{r['llama_cpp_tokens_per_s'] / r['textgen_vllm_tokens_per_s']:.2f}",
+                "for the record",
             ),
         ]
     return [(name, "", "", str(r.get("ratio", "")), str(r.get("target", "")))]

@@ -57,6 +57,10 @@ class QueueFull(TextgenError):
         self.retry_after = retry_after
 
 
+class EngineUnavailable(TextgenError):
+    """The engine behind the loaded model is not serving now (it died, or is being started again); a 503."""
+
+
 class NotSupported(TextgenError):
     """The loaded backend cannot do what was asked (e.g. embeddings, grammar, LoRA)."""
 

@@ -308,6 +308,11 @@ def _drop_frames(exc: BaseException | None) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
+def _load_progress(text: str) -> None:
+    """A backend's word on its load (shown in the Model tab beside "Loading")."""
+    shared.load_progress = text
+
+
 def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
     """Load ``name`` (unloading the current model first) and make it the shared model.
 
@@ -328,7 +333,7 @@ def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
         before = load_hooks.snapshot()
         failure: TextgenError | None = None
         try:
-            backend = backend_cls.load(info.path, resolved.options)
+            backend = backend_cls.load(info.path, {**resolved.options, "on_progress": _load_progress})
         except Exception as exc:  # the backend's refusal or its own failure (even MemoryError): report it, keep serving
             failure = _load_failure(info.name, loader, exc, previous)
             shared.load_error = str(failure)
@@ -340,7 +345,7 @@ def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
                 failure.__cause__ = exc
             _drop_frames(exc)  # the frames of the failed load hold what it allocated
         finally:
-            shared.loading_model = None
+            shared.loading_model, shared.load_progress = None, ""
         if failure is not None:
             gc.collect()  # free a half-loaded model now, not at the next load
             raise failure

@@ -157,6 +157,28 @@ class Settings(BaseModel):
         None, description="remote: base URL of an OpenAI-compatible engine (vLLM, llama-server, textgen)."
     )
     remote_api_key: str | None = Field(None, description="remote: API key for that engine.")
+    # --- vLLM, started by textgen ---
+    vllm_python: Path = Field(
+        Path(".venv-vllm/bin/python"),
+        description="vllm: the Python of the venv vLLM is installed in (`make vllm` makes .venv-vllm).",
+    )
+    vllm_args: str = Field(
+        "",
+        description="vllm: more flags for the engine, as on its command line (e.g. '--max-num-seqs 64 "
+        "--tensor-parallel-size 2').",
+    )
+    vllm_kv_cache_gb: float | None = Field(
+        None,
+        gt=0,
+        description="vllm: memory for the engine's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE on a CPU). "
+        "Default: what --n-ctx for --parallel chats needs, at least 1 GiB.",
+    )
+    vllm_start_timeout: int = Field(
+        900, ge=10, description="vllm: seconds the engine may take to start (about 100 on 2 CPU cores)."
+    )
+    vllm_restarts: int = Field(
+        2, ge=0, le=10, description="vllm: how often an engine that died is started again before textgen gives up."
+    )
     # --- server ---
     listen: bool = Field(False, description="Listen on all interfaces (0.0.0.0) instead of 127.0.0.1.")
     listen_host: str | None = Field(None, description="Host name or address to listen on (overrides --listen).")
@@ -324,6 +346,7 @@ def _base_type(annotation: Any) -> tuple[Any, bool]:
 _SECURITY_NAMES = (
     "trust_remote_code",
     "remote_url",
+    "vllm_args",
     "listen",
     "listen_host",
     "listen_port",

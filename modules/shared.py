@@ -24,6 +24,7 @@ model: Backend | None = None
 model_name: str | None = None
 model_options: dict[str, Any] = {}  # the options the model was loaded with
 loading_model: str | None = None  # name of the model being loaded, if any
+load_progress: str = ""  # what the load is doing now, where the backend says (a vLLM engine starting)
 load_error: str | None = None  # why the last load failed
 loras: list[str] = []
 
@@ -36,13 +37,14 @@ _stop_events: dict[str, threading.Event] = {}
 def init(loaded: LoadedSettings | None = None) -> None:
     """Reset the hub to fresh settings (and no model)."""
     global settings, explicit, extension_params, ui_defaults, model, model_name, model_options
-    global loading_model, load_error, loras
+    global loading_model, load_error, loras, load_progress
     loaded = loaded or LoadedSettings(settings=Settings())
     settings = loaded.settings
     explicit = loaded.explicit
     extension_params = {k: dict(v) for k, v in loaded.extension_params.items()}
     ui_defaults = dict(loaded.extra)
     model, model_name, model_options, loading_model, load_error, loras = None, None, {}, None, None, []
+    load_progress = ""
     with _stop_lock:
         _stop_events.clear()
 

@@ -160,6 +160,8 @@ def check_constraints(params: GenerationParams, backend: Backend) -> None:
         )
     if params.grammar and params.json_schema is not None:
         raise InvalidRequest("grammar cannot be combined with response_format or required tools", param="grammar")
+    if params.regex and (params.grammar or params.json_schema is not None):
+        raise InvalidRequest("regex cannot be combined with grammar, response_format or required tools", param="regex")
 
 
 # ------------------------------------------------------------------ chat prompts

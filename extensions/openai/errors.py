@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from modules.errors import (
     BackendUnavailable,
     ContextOverflow,
+    EngineUnavailable,
     ExtensionFailed,
     InvalidRequest,
     ModelLoadError,
@@ -65,6 +66,8 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, ModelNotLoaded):
         return APIError(503, str(exc), type_="service_unavailable", code="model_not_loaded")
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc), type_="service_unavailable", code="engine_unavailable")
     if isinstance(exc, QueueFull):
         return APIError(
             503,

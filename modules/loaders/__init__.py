@@ -15,6 +15,7 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "exllamav2": ("modules.loaders.exllamav2", "ExLlamaV2Backend", "exllamav2"),
     "exllamav3": ("modules.loaders.exllamav3", "ExLlamaV3Backend", "exllamav3"),
     "remote": ("modules.loaders.remote", "RemoteBackend", "httpx"),
+    "vllm": ("modules.loaders.vllm", "VllmBackend", "httpx"),
 }
 EXLLAMA_OPTIONS = (
     "max_seq_len",
@@ -63,6 +64,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "exllamav2": EXLLAMA_OPTIONS,
     "exllamav3": EXLLAMA_OPTIONS,
     "remote": ("remote_url", "remote_api_key", "n_ctx", "parallel", "max_queue"),
+    "vllm": ("n_ctx", "parallel", "max_queue", "vllm_kv_cache_gb", "vllm_args", "vllm_start_timeout", "vllm_restarts"),
 }
 _ALIASES = {
     "llamacpp": "llama.cpp",

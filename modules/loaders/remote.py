@@ -10,11 +10,17 @@ characters per token. Closing the stream (Stop, a client gone) stops the engine.
 trtllm-serve refuses any field its ``CompletionRequest`` does not declare (``extra="forbid"`` in
 tensorrt_llm/serve/openai_protocol.py), so it gets only those: ``ignore_eos`` for ban_eos, ``response_format``
 for schemas, regexes and grammars, and the samplers it lacks are refused here rather than sent.
+
+vLLM is known by its ``/version`` endpoint and its model card (``owned_by: vllm``). It batches by itself, so no cap of
+ours stands in front of it; from 0.10.2 on it reads ``structured_outputs`` (older ones ``guided_json`` and the like);
+it ignores the fields it does not declare, so the samplers it lacks are refused here; it streams the token ids of
+each chunk (``return_token_ids``), so usage counts tokens, not chunks; and its ``max_model_len`` is the context.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import socket
@@ -38,14 +44,19 @@ PASSTHROUGH = (
     "dynatemp_range", "dynatemp_exponent", "temperature_last", "top_a", "tfs", "epsilon_cutoff", "eta_cutoff",
     "no_repeat_ngram_size", "ban_eos", "min_tokens", "grammar", "regex",
 )  # fmt: skip
-# What trtllm-serve's CompletionRequest takes (tensorrt_llm/serve/openai_protocol.py), as GenerationParams names
-TRTLLM_PARAMS = frozenset(
+# What trtllm-serve's CompletionRequest takes (tensorrt_llm/serve/openai_protocol.py), as GenerationParams names;
+# vLLM's CompletionRequest (vllm/entrypoints/openai/completion/protocol.py) takes the same ones
+TRTLLM_PARAMS = VLLM_PARAMS = frozenset(
     {
         "max_new_tokens", "stop", "skip_special_tokens", "seed", "temperature", "top_p", "top_k", "min_p",
         "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
         "ban_eos", "min_tokens", "json_schema", "regex", "grammar",
     }
 )  # fmt: skip
+STRUCTURED_OUTPUTS_SINCE = (0, 10, 2)  # vLLM's structured_outputs field; before it guided_json, guided_regex, ...
+# streams in flight to an engine that batches by itself (it runs --max-num-seqs of them, queues the rest) before
+# textgen adds --max-queue of its own and then answers 503
+ENGINE_BATCH = 1024
 
 
 class RemoteBackend(Backend):
@@ -65,8 +76,9 @@ class RemoteBackend(Backend):
         self.models: list[str] = []
         self._context = 4096
         self._tokenizer: str | None = None  # "textgen" | "llama-server" | "vllm" | "llama-cpp-python" | "trtllm"
-        self.dialect = "openai"  # "openai" (vLLM, textgen) | "llama.cpp" | "trtllm": which request fields to send
-        self._slots = threading.Semaphore(1)
+        self.dialect = "openai"  # "openai" (textgen) | "vllm" | "llama.cpp" | "trtllm": which request fields to send
+        self.engine_version: tuple[int, ...] = ()  # vLLM's, from its /version
+        self._slots: threading.Semaphore | None = threading.Semaphore(1)  # None: the engine batches, no cap here
         self._waiting = 0  # streams in flight, running or queued; guarded by _lock
         self._max_queue = 64
         self._lock = threading.Lock()
@@ -87,8 +99,14 @@ class RemoteBackend(Backend):
         url = str(options.get("remote_url") or "").rstrip("/")
         if not url:
             raise ModelLoadError("the remote loader needs --remote-url (e.g. http://gpu-box:8000)")
-        url = url.removesuffix("/v1")
         self = cls()
+        self.connect(url, str(path) if str(path) not in ("", ".") else "", options)
+        self.path = path
+        return self
+
+    def connect(self, url: str, wanted: str, options: dict[str, Any]) -> None:
+        """Talk to the engine at ``url``: the model ``wanted`` (else its first), its context, tokenizer, dialect."""
+        url = url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {options['remote_api_key']}"} if options.get("remote_api_key") else {}
         self.client = httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(30, read=600))
         try:
@@ -98,7 +116,6 @@ class RemoteBackend(Backend):
         except (httpx.HTTPError, ValueError) as exc:
             raise ModelLoadError(f"cannot reach the engine at {url}: {exc}") from exc
         self.models = [str(m.get("id")) for m in data if m.get("id")]
-        wanted = str(path) if str(path) not in ("", ".") else ""
         if wanted and self.models and wanted not in self.models:
             raise ModelLoadError(f"the engine at {url} serves {', '.join(self.models)}, not {wanted!r}")
         self.model_id = wanted or (self.models[0] if self.models else "")
@@ -111,7 +128,8 @@ class RemoteBackend(Backend):
         self.metadata = ModelMetadata(name=self.model_id, architecture="remote", extra={"url": url})
         info = self._engine_info()
         trained = card.get("max_model_len") or info.get("context_length")
-        self._context = int(options.get("n_ctx") or trained or 4096)
+        # the engine's own limit is the context; --n-ctx only where the engine tells none
+        self._context = int(trained or options.get("n_ctx") or 4096)
         self.metadata.context_length = int(trained) if trained else None
         self.metadata.chat_template = info.get("chat_template")
         self.metadata.bos_token = info.get("bos_token") or ""
@@ -121,13 +139,37 @@ class RemoteBackend(Backend):
         if card.get("owned_by") == "tensorrt_llm":  # trtllm-serve's ModelCard
             self.dialect = "trtllm"
             self.supported_params = TRTLLM_PARAMS  # type: ignore[misc]  # the others are refused, not sent
+        elif card.get("owned_by") == "vllm":
+            self.dialect = "vllm"
+            self.engine_version = self._vllm_version()
+            self.supported_params = VLLM_PARAMS  # type: ignore[misc]  # it would ignore the others without a word
+            self._slots, self.max_parallel = None, ENGINE_BATCH  # it batches: the engine queues, not us
         elif self._tokenizer in ("llama-server", "llama-cpp-python"):
             self.dialect = "llama.cpp"
-        self.path = path
         log.info(
-            "remote: %s at %s (%s; tokenizer: %s)", self.model_id, url, self.dialect, self._tokenizer or "estimated"
+            "remote: %s at %s (%s%s; tokenizer: %s; context %d)",
+            self.model_id,
+            url,
+            self.dialect,
+            " " + ".".join(map(str, self.engine_version)) if self.engine_version else "",
+            self._tokenizer or "estimated",
+            self._context,
         )
-        return self
+
+    def _vllm_version(self) -> tuple[int, ...]:
+        """vLLM's version from its ``/version`` (e.g. ``0.32.0`` -> (0, 32, 0)); () when it does not say."""
+        assert self.client is not None
+        try:
+            text = str(self.client.get("/version").json().get("version", ""))
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return ()
+        parts = []
+        for part in text.split("."):
+            digits = "".join(itertools.takewhile(str.isdigit, part))
+            if not digits:
+                break
+            parts.append(int(digits))
+        return tuple(parts)
 
     def _engine_info(self) -> dict[str, Any]:
         """Template and special tokens from a textgen (model info) or llama-server (/props) engine."""
@@ -228,6 +270,8 @@ class RemoteBackend(Backend):
             body["seed"] = params.seed
         if self.dialect == "trtllm":
             return _trtllm_body(body, params)
+        if self.dialect == "vllm":
+            return _vllm_body(body, params, self.engine_version)
         if self.dialect == "llama.cpp":  # its servers default to top_k 40, min_p 0.05 and repeat_penalty 1.1
             body.update(top_k=params.top_k, min_p=params.min_p, repeat_penalty=params.repetition_penalty)
         if params.stop:
@@ -276,14 +320,18 @@ class RemoteBackend(Backend):
     def _stream(self, body: dict[str, Any], cancel: threading.Event, place: QueuePlace) -> Iterator[TokenEvent]:
         try:
             client = self._require()
-            while not self._slots.acquire(timeout=0.2):
+            slots = self._slots
+            if slots is None:
+                yield from self._events(client, body, cancel)
+                return
+            while not slots.acquire(timeout=0.2):
                 if cancel.is_set():
                     yield TokenEvent(-1, b"", finish_reason="cancelled")
                     return
             try:
                 yield from self._events(client, body, cancel)
             finally:
-                self._slots.release()
+                slots.release()
         finally:
             place.release()
 
@@ -318,20 +366,9 @@ class RemoteBackend(Backend):
 
     @staticmethod
     def _chunk(line: str, finish: str) -> Generator[TokenEvent, None, str]:
-        """The token event of one ``data:`` line; returns the finish reason so far."""
-        chunk = json.loads(line[6:])
-        if "error" in chunk:
-            raise RuntimeError(f"the remote engine failed: {chunk['error']}")
-        choices = chunk.get("choices") or []
-        if not choices:
-            return finish
-        choice = choices[0]
-        text = choice.get("text") or ""
-        if text:
-            logprob, tops = _logprobs(choice.get("logprobs"))
-            yield TokenEvent(0, text.encode("utf-8"), logprob=logprob, top_logprobs=tops)
-        if choice.get("finish_reason"):
-            return "length" if choice["finish_reason"] == "length" else "stop"
+        """The token events of one ``data:`` line; returns the finish reason so far."""
+        events, finish = _chunk_events(json.loads(line[6:]), finish)
+        yield from events
         return finish
 
     def stats(self) -> dict[str, Any]:
@@ -372,29 +409,103 @@ class _HangUpOnCancel:
             return
 
 
-def _trtllm_body(body: dict[str, Any], params: GenerationParams) -> dict[str, Any]:
-    """The fields of trtllm-serve's CompletionRequest for ``params`` (it answers 400 to any other field)."""
+def _chunk_events(chunk: dict[str, Any], finish: str) -> tuple[list[TokenEvent], str]:
+    """The token events of one streamed completion chunk, and the finish reason so far."""
+    if "error" in chunk:
+        raise RuntimeError(f"the remote engine failed: {chunk['error']}")
+    choices = chunk.get("choices") or []
+    if not choices:
+        return [], finish
+    choice = choices[0]
+    text = choice.get("text") or ""
+    ids = choice.get("token_ids")
+    events: list[TokenEvent] = []
+    if isinstance(ids, list) and ids:  # vLLM's return_token_ids: one event per token, the text on the first
+        found = _logprobs_each(choice.get("logprobs"), len(ids))
+        pieces = (choice.get("logprobs") or {}).get("tokens")
+        if not (isinstance(pieces, list) and len(pieces) == len(ids) and "".join(map(str, pieces)) == text):
+            pieces = [text] + [""] * (len(ids) - 1)
+        for n, token_id in enumerate(ids):
+            logprob, tops = found[n]
+            piece = str(pieces[n]).encode("utf-8")
+            events.append(TokenEvent(int(token_id), piece, logprob=logprob, top_logprobs=tops))
+    elif text:
+        logprob, tops = _logprobs(choice.get("logprobs"))
+        events.append(TokenEvent(0, text.encode("utf-8"), logprob=logprob, top_logprobs=tops))
+    if choice.get("finish_reason"):
+        finish = "length" if choice["finish_reason"] == "length" else "stop"
+    return events, finish
+
+
+def _declared_fields(body: dict[str, Any], params: GenerationParams) -> dict[str, Any]:
+    """``body`` with the sampling fields trtllm-serve and vLLM both declare, where ``params`` sets them."""
     changed = params.non_default()
-    for name in ("stop", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty"):
+    for name in ("stop", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens"):
         if name in changed:
             body[name] = changed[name]
-    if params.logit_bias:  # it takes biases in [-100, 100] only; -100 bans the token there too
+    if params.logit_bias:  # both take biases in [-100, 100] only; -100 bans the token there too
         body["logit_bias"] = {str(k): max(-100.0, min(100.0, v)) for k, v in params.logit_bias.items()}
     if params.logprobs or params.top_logprobs:
         body["logprobs"] = max(1, params.top_logprobs)
     if params.ban_eos:
         body["ignore_eos"] = True
-    if params.min_tokens:
-        body["min_tokens"] = params.min_tokens
     if not params.skip_special_tokens:
         body["skip_special_tokens"] = False
-    if params.json_schema is not None:
-        body["response_format"] = {"type": "json", "schema": params.json_schema}
-    elif params.regex:
-        body["response_format"] = {"type": "regex", "regex": params.regex}
-    elif params.grammar:
-        body["response_format"] = {"type": "ebnf", "ebnf": params.grammar}
     return body
+
+
+def _constraint(params: GenerationParams) -> tuple[str, Any] | None:
+    """What the output must follow: ("json", schema), ("regex", pattern), ("grammar", GBNF) or None."""
+    if params.json_schema is not None:
+        return "json", params.json_schema
+    if params.regex:
+        return "regex", params.regex
+    if params.grammar:
+        return "grammar", params.grammar
+    return None
+
+
+def _trtllm_body(body: dict[str, Any], params: GenerationParams) -> dict[str, Any]:
+    """The fields of trtllm-serve's CompletionRequest for ``params`` (it answers 400 to any other field)."""
+    _declared_fields(body, params)
+    constraint = _constraint(params)
+    if constraint is not None:
+        kind, value = constraint
+        body["response_format"] = (
+            {"type": "json", "schema": value} if kind == "json" else {"type": "regex", "regex": value}
+            if kind == "regex" else {"type": "ebnf", "ebnf": value}
+        )  # fmt: skip
+    return body
+
+
+def _vllm_body(body: dict[str, Any], params: GenerationParams, version: tuple[int, ...]) -> dict[str, Any]:
+    """The fields of vLLM's CompletionRequest for ``params``; ``version`` picks its structured-output field."""
+    _declared_fields(body, params)
+    current = not version or version >= STRUCTURED_OUTPUTS_SINCE
+    constraint = _constraint(params)
+    if constraint is not None:
+        kind, value = constraint
+        if current:
+            body["structured_outputs"] = {kind: value}
+        else:
+            body[f"guided_{kind}"] = value
+    if current:
+        body["return_token_ids"] = True
+    return body
+
+
+def _logprobs_each(data: Any, count: int) -> list[tuple[float | None, list[TopLogprob] | None]]:
+    """Each of a chunk's ``count`` tokens' logprob and alternatives (None where the chunk has none)."""
+    out: list[tuple[float | None, list[TopLogprob] | None]] = [(None, None)] * count
+    if not isinstance(data, dict):
+        return out
+    values = data.get("token_logprobs") or []
+    tops = data.get("top_logprobs") or []
+    for n in range(min(count, len(values))):
+        top = tops[n] if n < len(tops) and isinstance(tops[n], dict) else {}
+        alternatives = [TopLogprob(0, token.encode("utf-8"), float(value)) for token, value in top.items()]
+        out[n] = (float(values[n]) if values[n] is not None else None, alternatives if top else None)
+    return out
 
 
 def _logprobs(data: Any) -> tuple[float | None, list[TopLogprob] | None]:

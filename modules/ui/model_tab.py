@@ -22,11 +22,14 @@ AUTO = "auto (from the format)"
 def status_text() -> str:
     """What is loaded now (or why not)."""
     if shared.loading_model:
-        return f"Loading **{shared.loading_model}**..."
+        return f"Loading **{shared.loading_model}**... {shared.load_progress}".rstrip()
     if shared.model is not None:
         loader = shared.model_options.get("loader", shared.model.loader_name)
         loras = f", LoRAs: {', '.join(shared.loras)}" if shared.loras else ""
         text = f"Loaded **{shared.model_name}** ({loader}, context {shared.model.context_length}{loras})"
+        engine = shared.model.stats().get("engine")
+        if engine not in (None, "serving"):
+            text += f"\n\nThe engine is **{engine}**: {shared.model.stats().get('engine_failure', '')}"
         system, source = models.default_system_message()
         if system:
             text += f"\n\nDefault system message (from {source}): *{system}*"

