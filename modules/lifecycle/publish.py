@@ -64,19 +64,23 @@ def prepare(args: PushArgs) -> tuple[Path, list[str], str]:
     return folder, sorted({*files, *(["README.md"] if text else [])}), text
 
 
+def find_token(args: PushArgs) -> str:
+    """The token a push uses: the one given, else HF_TOKEN or the saved login; a PushError when there is none."""
+    from huggingface_hub import get_token
+
+    token = args.token or get_token()
+    if not token:
+        raise PushError("pushing needs a Hugging Face token with write access: set HF_TOKEN or run `hf auth login`")
+    return token
+
+
 def push(args: PushArgs, report: jobs.Reporter, cancel: threading.Event) -> dict[str, Any]:
     """Create (or reuse) the repo and upload; returns the repo URL, its visibility and the files sent."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
-    api = HfApi(endpoint=args.endpoint, token=args.token)
-    token = args.token or api.token
-    if not token:
-        from huggingface_hub import get_token
-
-        token = get_token()
-    if not token:
-        raise PushError("pushing needs a Hugging Face token with write access: set HF_TOKEN or run `hf auth login`")
+    token = find_token(args)
+    api = HfApi(endpoint=args.endpoint, token=token)
     folder, files, card = prepare(args)
     jobs.check(cancel)
     report(done=0, total=2, message=f"creating {args.repo}")

@@ -198,7 +198,7 @@ def vllm_note(hw: Hardware, fmt: str) -> str:
     ours, llama = float(m["textgen_vllm_tokens_per_s"]), float(m["llama_cpp_tokens_per_s"])
     clients = int(m.get("clients", 8))
     cpu = (m.get("machine") or {}).get("cpu") or "this machine"
-    where = f"measured on {cpu}, {str(m.get('time', ''))[:10]}".rstrip(", ")
+    where = f"`make bench ARGS=vllm` on the default 135M model, {cpu}, {str(m.get('time', ''))[:10]}".rstrip(", ")
     if ours > llama:
         return (
             f"vLLM {hw.vllm} is installed: for {clients} or so parallel chats it serves more here, {ours:.0f} tokens/s "

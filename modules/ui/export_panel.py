@@ -30,6 +30,40 @@ def _sources() -> list[str]:
     return names
 
 
+def _adapters() -> list[str]:
+    """PEFT adapter folders in loras/ (what a LoRA -> GGUF export reads)."""
+    root = shared.loras_dir()
+    return [name for name in models.list_loras() if (root / name / "adapter_config.json").is_file()]
+
+
+def _publishable() -> list[str]:
+    """What a push can send: model folders and GGUF files in models/."""
+    return models.model_names()
+
+
+def listings() -> dict[str, list[str]]:
+    """Every list the panel's dropdowns show, read now (models/ and loras/ change under a running server)."""
+    return {"sources": _sources(), "adapters": _adapters(), "publish": _publishable()}
+
+
+def source_choices(fmt: str, lists: dict[str, list[str]] | None = None) -> tuple[list[str], str]:
+    """The export source's choices and label for a format: a LoRA export reads loras/, the others models/."""
+    lists = lists or listings()
+    if fmt == "gguf-lora":
+        return lists["adapters"], "LoRA adapter (in loras/)"
+    return lists["sources"], "Model (HF folder or GGUF)"
+
+
+def type_choices(fmt: str) -> tuple[list[str], str | None]:
+    """The GGUF types a format takes, and its default: llama.cpp's LoRA converter writes only F32/F16/BF16/Q8_0."""
+    from modules.lifecycle.convert import CONVERTER_TYPES
+    from modules.lifecycle.export import GGUF_TYPES
+
+    if fmt == "gguf-lora":
+        return list(CONVERTER_TYPES), "F16"
+    return list(GGUF_TYPES), "Q4_K_M"
+
+
 def _path(name: str, what: str, root: Path | None = None) -> Path:
     if not name or not name.strip():
         raise TextgenError(f"choose {what}")
@@ -56,6 +90,9 @@ def job_text(job: jobs.Job | None) -> str:
         for item in fidelity.get("agreement", []):
             if item["agreed"] < item["total"]:
                 text += f"\n- parted at token {item['agreed']} (HF logit margin {item['margin']:.3f})"
+    elif isinstance(result, dict) and result.get("url"):
+        visibility = "private" if result.get("private") else "public"
+        text += f"\n\nPushed to {result['url']} ({visibility}): {', '.join(result.get('files', []))}"
     elif isinstance(result, Path | str):
         text += f"\n\nWrote `{result}`"
     return text
@@ -106,7 +143,7 @@ def build() -> None:
         with gr.Tab("Merge LoRA"):
             with gr.Row():
                 merge_base = gr.Dropdown(_sources(), label="Base model (HF folder)", elem_id="merge-base")
-                merge_lora = gr.Dropdown(models.list_loras(), label="LoRA", elem_id="merge-lora")
+                merge_lora = gr.Dropdown(_adapters(), label="LoRA", elem_id="merge-lora")
                 merge_out = gr.Textbox(label="Merged model name in models/", elem_id="merge-output")
             merge_btn = admin_control(gr.Button("Merge", variant="primary", elem_id="merge-start"))
         with gr.Tab("Quant table"):
@@ -117,7 +154,23 @@ def build() -> None:
             table = gr.Dataframe(table_frame(None), interactive=False, elem_id="quant-table")
             plot = gr.ScatterPlot(table_frame(None), x="size_mb", y="perplexity", color="quant",
                                   title="File size (MB) against perplexity", elem_id="quant-plot")  # fmt: skip
+        with gr.Tab("Publish"):
+            with gr.Row():
+                push_source = gr.Dropdown(_publishable(), label="Model folder or GGUF in models/",
+                                          elem_id="push-source", scale=2)  # fmt: skip
+                push_repo = gr.Textbox(label="Hub repo (ORG/NAME)", elem_id="push-repo", scale=2)
+                push_private = gr.Checkbox(True, label="Private repo", elem_id="push-private")
+            with gr.Row():
+                push_license = gr.Textbox(label="License for the card (e.g. apache-2.0)", elem_id="push-license")
+                push_base = gr.Textbox(label="Base model on the Hub (for the card)", elem_id="push-base")
+            gr.Markdown("The token comes from `HF_TOKEN` or `hf auth login` on the server; it is never shown here.")
+            with gr.Row():
+                card_btn = gr.Button("Preview the model card", elem_id="push-card")
+                push_btn = admin_control(gr.Button("Push", variant="primary", elem_id="push-start"))
+            card_text = gr.Code(label="Model card (README.md) as it would be sent", language="markdown",
+                                interactive=False, elem_id="push-card-text")  # fmt: skip
         status = gr.Markdown(job_text(next(iter(jobs.all_jobs(KIND)), None)), elem_id="export-status")
+        shown = gr.State(listings())  # what the dropdowns list now: they are updated when models/ or loras/ change
 
     def start_export(name: str, fmt_: str, quant_: str, out: str, base_: str, check_: bool, replace_: bool) -> str:
         from modules.lifecycle.convert import refuse_existing
@@ -157,21 +210,64 @@ def build() -> None:
         args = TableArgs(source_path, shared.models_dir() / f"{name}-quants", tuple(chosen or DEFAULT_TYPES))
         return _start(f"quant table {name}", lambda r, c: build(args, r, c))
 
+    def push_args(name: str, repo: str, private: bool, license_: str, base_: str) -> Any:
+        from modules.lifecycle.publish import PushArgs
+
+        return PushArgs(_path(name, "a model or GGUF to push"), (repo or "").strip(), private=bool(private),
+                        license=(license_ or "").strip(), base_model=(base_ or "").strip())  # fmt: skip
+
+    def preview_card(name: str, repo: str, private: bool, license_: str, base_: str) -> Any:
+        from modules.lifecycle.publish import prepare
+
+        try:
+            _, files, text = prepare(push_args(name, repo, private, license_, base_))
+        except TextgenError as exc:
+            refused(exc)
+            return gr.update(value=f"<!-- {exc} -->")
+        return gr.update(value=text or f"<!-- no card: {', '.join(files)} are sent without one -->")
+
+    def start_push(name: str, repo: str, private: bool, license_: str, base_: str) -> str:
+        from modules.lifecycle.publish import find_token, prepare, push
+
+        try:
+            args = push_args(name, repo, private, license_, base_)
+            prepare(args)  # a bad repo name or an empty folder is refused before the job starts
+            find_token(args)
+        except TextgenError as exc:
+            return refused(exc)
+        return _start(f"push {name} to {args.repo}", lambda r, c: push(args, r, c))
+
     def cancel() -> str:
         job = jobs.running(KIND)
         if job is not None:
             jobs.cancel(job.id)
         return job_text(job)
 
-    def poll() -> tuple[Any, Any, Any]:
+    def poll(fmt_: str, before: dict[str, list[str]]) -> tuple[Any, ...]:
         last = next(iter(jobs.all_jobs(KIND)), None)
         table_job = next((j for j in jobs.all_jobs(KIND) if j.title.startswith("quant table")), None)
         frame = table_frame(table_job)
-        return job_text(last), frame, frame
+        now = listings()
+        if now == before:  # nothing new on disk: leave the dropdowns (and what is open in them) alone
+            return job_text(last), frame, frame, before, *[gr.skip()] * 6
+        choices, label = source_choices(fmt_, now)
+        sources = gr.update(choices=now["sources"])
+        return (job_text(last), frame, frame, now, gr.update(choices=choices, label=label), sources, sources,
+                gr.update(choices=now["adapters"]), sources, gr.update(choices=now["publish"]))  # fmt: skip
+
+    def format_changed(fmt_: str) -> tuple[Any, Any]:
+        choices, label = source_choices(fmt_)
+        types_, default = type_choices(fmt_)
+        return gr.update(choices=choices, value=None, label=label), gr.update(choices=types_, value=default)
 
     export_btn.click(admin_only("export models")(start_export), [source, fmt, quant, output, base, check, replace], status,
                      queue=False)  # fmt: skip
     merge_btn.click(admin_only("merge LoRAs")(start_merge), [merge_base, merge_lora, merge_out], status, queue=False)
     table_btn.click(admin_only("quantize models")(start_table), [table_source, types], status, queue=False)
     cancel_btn.click(admin_only("cancel an export")(cancel), None, status, queue=False)
-    gr.Timer(2.0).tick(poll, None, [status, table, plot], queue=False, show_progress="hidden")
+    push_inputs = [push_source, push_repo, push_private, push_license, push_base]
+    card_btn.click(preview_card, push_inputs, card_text, queue=False)
+    push_btn.click(admin_only("push models to the Hub")(start_push), push_inputs, status, queue=False)
+    fmt.change(format_changed, fmt, [source, quant], queue=False)
+    lists = [source, base, merge_base, merge_lora, table_source, push_source]
+    gr.Timer(2.0).tick(poll, [fmt, shown], [status, table, plot, shown, *lists], queue=False, show_progress="hidden")

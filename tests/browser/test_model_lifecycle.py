@@ -106,3 +106,78 @@ def test_export_panel_writes_a_gguf_and_refuses_a_bad_name(page, live_server_fac
     page.wait_for_function("() => document.querySelector('#export-status').innerText.includes('done. wrote')",
                            timeout=120_000)  # fmt: skip
     assert out.stat().st_mtime_ns != written and quantize.tensor_types(out).get("Q8_0", 0) > 0
+
+
+def test_lora_export_merge_and_push_from_the_model_tab(page, live_server_factory, tiny_models, tmp_path) -> None:
+    """The Model tab's LoRA -> GGUF export lists loras/ and offers the types the converter writes; a merged model
+    appears in the lists without a restart; Publish previews the card and pushes only the model's files (to a Hub on
+    127.0.0.1), with no local path and no token in anything sent."""
+    import shutil
+
+    from tests.browser.helpers import choose
+
+    hub = FakeHub(users={"hf_writer": "me"}).start()
+    try:
+        models, loras = tmp_path / "models", tmp_path / "loras"
+        models.mkdir()
+        (models / DEFAULT_MODEL).symlink_to(default_model_path())
+        (models / "tiny-llama").symlink_to(tiny_models / "tiny-llama", target_is_directory=True)
+        shutil.copytree(tiny_models / "loras" / "lora-a", loras / "lora-a")
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_writer"}
+        server = live_server_factory("--model-dir", str(models), "--lora-dir", str(loras), "--user-data-dir",
+                                     str(tmp_path / "ud"), env=env)  # fmt: skip
+        open_ui(page, server.url)
+        page.get_by_role("tab", name="Model").click()
+        page.get_by_text("Merge, export and quantize").click()
+        status = page.locator("#export-status")
+
+        choose(page, "#export-format", "gguf-lora")
+        page.wait_for_function("() => document.querySelector('#export-quant input').value === 'F16'")
+        choose(page, "#export-source", "lora-a")  # listed from loras/, not models/
+        choose(page, "#export-base", "tiny-llama")
+        page.click("#export-start")
+        wait_status(page, r"export lora-a F16\*?\*?: done")
+        assert (loras / "lora-a.F16.gguf").is_file()
+
+        page.get_by_role("tab", name="Merge LoRA").click()
+        choose(page, "#merge-base", "tiny-llama")
+        choose(page, "#merge-lora", "lora-a")
+        page.fill("#merge-output textarea, #merge-output input", "tiny-merged")
+        page.keyboard.press("Tab")
+        page.click("#merge-start")
+        wait_status(page, r"merge lora-a into tiny-llama\*?\*?: done")
+        assert (models / "tiny-merged" / "config.json").is_file()
+
+        page.get_by_role("tab", name="Publish").click()
+        choose(page, "#push-source", "tiny-merged")  # listed without a restart
+        page.fill("#push-repo input, #push-repo textarea", "me/tiny-merged")
+        page.fill("#push-license input, #push-license textarea", "apache-2.0")
+        page.keyboard.press("Tab")
+        page.click("#push-card")
+        page.locator("#push-card-text").get_by_text("license: apache-2.0").wait_for(timeout=20_000)
+        page.click("#push-start")
+        wait_status(page, "Pushed to")
+        sent = hub.repos["me/tiny-merged"].branches["main"]
+        assert "README.md" in sent and "config.json" in sent and any(n.endswith(".safetensors") for n in sent)
+        assert not any(n.endswith(".gguf") for n in sent) and "textgen_merge.json" in sent
+        for name, content in sent.items():
+            data = content.read_bytes() if isinstance(content, Path) else content
+            assert str(tmp_path).encode() not in data and b"hf_writer" not in data, name
+        assert "private" in status.inner_text() and hub.repos["me/tiny-merged"].private
+    finally:
+        hub.stop()
+
+
+def wait_status(page, pattern: str, timeout: float = 120) -> str:
+    """Wait until the export panel's status matches ``pattern`` (a regex); fail with what it says instead."""
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = page.locator("#export-status").inner_text()
+        if re.search(pattern, text):
+            return text
+        page.wait_for_timeout(500)
+    raise AssertionError(f"the status never matched {pattern!r}; it says: {text}")

@@ -69,16 +69,30 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
         live.wait_ready(timeout=600)
         yield live
     finally:
-        pid = None
+        group = None
         with contextlib.suppress(AssertionError, psutil.Error):
-            pid = engine_process(live).pid
+            group = engine_process(live).pid  # the engine leads its own process group (its engine core is in it)
+        live.proc.kill()  # the worst case: textgen gets no chance to stop the engine itself
+        live.proc.wait(30)
         live.stop()
-        if pid is not None:  # no orphan: the engine goes with the server
-            deadline = time.monotonic() + 60
-            while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        if group is not None:  # no orphan: the kernel tells the engine (PR_SET_PDEATHSIG), and it takes its group
+            deadline = time.monotonic() + 90
+            while _group_alive(group) and time.monotonic() < deadline:
                 time.sleep(0.5)
-            alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            assert not alive, "the vLLM engine outlived the server"
+            left = _group_alive(group)
+            for process in left:
+                process.kill()
+            assert not left, f"the vLLM engine outlived textgen: {[p.name() for p in left]}"
+
+
+def _group_alive(group: int) -> list[psutil.Process]:
+    """The live processes of a process group."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if _pgid(process) == group and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
 
 
 def chat(server: LiveServer, **body: object) -> httpx.Response:
@@ -224,6 +238,8 @@ def test_streams_are_not_capped_and_a_cancelled_stream_frees_the_engine(server: 
 
 def test_a_killed_engine_gives_a_clear_503_the_ui_goes_on_and_it_comes_back(server: LiveServer) -> None:
     engine = engine_process(server)
+    group = _group_alive(engine.pid)  # its engine core is in its group
+    assert len(group) > 1
     body = {"prompt": "Tell me a very long story.", "max_tokens": 1500, "ban_eos": True, "stream": True}
     frames: list[str] = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as stream:
@@ -234,7 +250,6 @@ def test_a_killed_engine_gives_a_clear_503_the_ui_goes_on_and_it_comes_back(serv
                 engine.wait(30)
     cut = [f for f in frames if f.startswith("data: {") and '"error"' in f]
     assert cut and "SIGKILL" in cut[-1], frames[-3:]  # the reader is told why, not left with a bare disconnect
-    group = [p for p in psutil.process_iter() if _pgid(p) == engine.pid]  # its engine core is in its group
     response = chat(server, max_tokens=5)
     assert response.status_code == 503, response.text
     message = response.json()["error"]["message"]
@@ -252,7 +267,7 @@ def test_a_killed_engine_gives_a_clear_503_the_ui_goes_on_and_it_comes_back(serv
     assert response.status_code == 200, f"the engine did not come back: {response.text}"
     assert engine_process(server).pid != engine.pid
     assert "killed by SIGKILL" in server.log()
-    assert not [p for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "the old engine core stayed"
+    assert not [p for p in _group_alive(engine.pid) if p in group], "the old engine's processes stayed"
 
 
 def _pgid(process: psutil.Process) -> int | None:
