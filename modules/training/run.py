@@ -249,7 +249,9 @@ def padded_collator(pad_id: int) -> Any:
 
 
 def collator(args: TrainingArgs, tokenizer: Any) -> Any:
-    """Padding-free batches (samples concatenated, positions restarting per sample) or padded ones."""
+    """Padding-free batches (samples concatenated, positions restarting per sample, the first label of each
+    ignored) or padded ones. transformers keeps packed samples apart by their restarting position_ids when the
+    model runs without a KV cache (the Trainer's ``use_cache=False``, set in :func:`make_trainer`)."""
     if args.batching == "padding_free":
         from transformers import DataCollatorWithFlattening
 
@@ -317,6 +319,7 @@ def make_trainer(
         remove_unused_columns=False,
         dataloader_num_workers=0,
         use_cpu=not _cuda(),
+        use_cache=False,  # padding-free samples are kept apart (by position_ids) only without a KV cache
     )
     counters = Counters()
     run_args = args
