@@ -45,6 +45,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def given_fields(argv: Sequence[str] | None) -> set[str]:
+    """The TrainingArgs fields named on the command line, a flag given at its default value too: what
+    ``--copy-from`` leaves as given."""
+    p = parser()
+    unset = object()
+    p.set_defaults(**{f.name: unset for f in fields(TrainingArgs)})
+    return {k for k, v in vars(p.parse_args(argv)).items() if v is not unset and k in TrainingArgs.__dataclass_fields__}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the flags, train, print the first and final loss; 2 on a bad argument or bad data."""
     from modules import jobs, shared
@@ -65,9 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         options["learning_rate"] = TrainingArgs.learning_rate
     shared.init(load_settings(folders, env=os.environ))
     args = TrainingArgs(**options)
+    given = given_fields(argv)  # the flags that win over --copy-from's values
     try:  # Ctrl+C stops the run at its next step with a checkpoint, and the adapter so far is saved
         summary: dict[str, Any] = jobs.run_foreground(
-            f"training {args.name}", lambda report, cancel: train(args, report, cancel), unit="step"
+            f"training {args.name}", lambda report, cancel: train(args, report, cancel, explicit=given), unit="step"
         )
     except TextgenError as exc:
         print(f"error: {exc}", file=sys.stderr)

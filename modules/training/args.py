@@ -94,7 +94,9 @@ class TrainingArgs:
     overwrite: bool = False
     """Replace an existing loras/NAME/ (otherwise an existing adapter is refused)."""
     copy_from: str = ""
-    """Start from the parameters of an earlier run (its name in loras/); fields given explicitly still win."""
+    """Start from the parameters of an earlier run (its name in loras/): the CLI flags you give win over them (one
+    given at its default value too); in the Training tab and in Python the fields that differ from their defaults
+    win, and a field left at its default takes the earlier run's value."""
     logging_steps: int = 1
     """Report loss and learning rate every N steps."""
     gguf: bool = True

@@ -249,7 +249,9 @@ def padded_collator(pad_id: int) -> Any:
 
 
 def collator(args: TrainingArgs, tokenizer: Any) -> Any:
-    """Padding-free batches (samples concatenated, positions restarting per sample) or padded ones."""
+    """Padding-free batches (samples concatenated, positions restarting per sample, the first label of each
+    ignored) or padded ones. transformers keeps packed samples apart by their restarting position_ids when the
+    model runs without a KV cache (the Trainer's ``use_cache=False``, set in :func:`make_trainer`)."""
     if args.batching == "padding_free":
         from transformers import DataCollatorWithFlattening
 
@@ -317,6 +319,7 @@ def make_trainer(
         remove_unused_columns=False,
         dataloader_num_workers=0,
         use_cpu=not _cuda(),
+        use_cache=False,  # padding-free samples are kept apart (by position_ids) only without a KV cache
     )
     counters = Counters()
     run_args = args
@@ -383,9 +386,12 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def prepare(args: TrainingArgs) -> tuple[TrainingArgs, Paths, TrainingData]:
+def prepare(args: TrainingArgs, explicit: set[str] | None = None) -> tuple[TrainingArgs, Paths, TrainingData]:
     """The effective arguments (``copy_from`` applied), the paths and the tokenized data, all checked.
 
+    With ``copy_from``, the fields named in ``explicit`` keep the value in ``args`` and the others take the copied
+    run's; the CLI passes the flags it was given (one given at its default value wins too). Without ``explicit``
+    (the Training tab's form, a TrainingArgs built in Python) the fields that differ from their defaults win.
     Raises InvalidRequest (DatasetError for a bad file) before anything loads a model or trains.
     """
     if args.copy_from:
@@ -395,8 +401,9 @@ def prepare(args: TrainingArgs) -> tuple[TrainingArgs, Paths, TrainingData]:
             source = safe_child(shared.loras_dir(), args.copy_from)
         except UnsafePath as exc:
             raise InvalidRequest(f"invalid adapter name: {exc}", param="copy_from") from exc
-        defaults = TrainingArgs()
-        explicit = {k for k, v in args.to_dict().items() if v != getattr(defaults, k)}
+        if explicit is None:
+            defaults = TrainingArgs()
+            explicit = {k for k, v in args.to_dict().items() if v != getattr(defaults, k)}
         args = copy_parameters(args, source, explicit)
     args.validate()
     check_hardware(args)
@@ -417,16 +424,18 @@ def prepare(args: TrainingArgs) -> tuple[TrainingArgs, Paths, TrainingData]:
 
 
 def train(
-    args: TrainingArgs, report: Reporter, cancel: threading.Event, prepared: tuple | None = None
-) -> dict[str, Any]:
+    args: TrainingArgs, report: Reporter, cancel: threading.Event, prepared: tuple | None = None,
+    explicit: set[str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Train a LoRA adapter as ``args`` says; returns a summary (losses, steps, where the adapter is).
 
     Raises InvalidRequest (DatasetError included) before anything trains when an argument or the data is wrong.
     A stop (``cancel``) ends the run at the next step with a checkpoint; ``resume`` continues from it.
-    ``prepared`` is what :func:`prepare` returned, when the caller checked the data already.
+    ``prepared`` is what :func:`prepare` returned, when the caller checked the data already; ``explicit`` the
+    fields the caller gave, which win over ``copy_from`` (see :func:`prepare`).
     """
     report(message="loading the tokenizer and the data")
-    args, paths, data = prepared or prepare(args)
+    args, paths, data = prepared or prepare(args, explicit)
     checkpoint = prepare_output(args, paths)
     report(message="loading the model")
     import transformers

@@ -145,8 +145,8 @@ def build() -> None:
                 apply = admin_control(gr.Button("Apply to the loaded model", elem_id="train-apply"))
                 evaluate = admin_control(gr.Button("Compare perplexity", elem_id="train-evaluate"))
             action = gr.Markdown("", elem_id="train-action")
-            table = gr.Dataframe(headers=["model", "loss", "perplexity"], label="Perplexity", elem_id="train-ppl",
-                                 interactive=False)  # fmt: skip
+            table = gr.Dataframe(headers=["model", "loss", "perplexity", "tokens", "precision"], label="Perplexity",
+                                 elem_id="train-ppl", interactive=False)  # fmt: skip
     inputs = [components[n] for n in names]
 
     def launch(resuming: bool, *values: Any) -> str:
@@ -189,11 +189,11 @@ def build() -> None:
             return f"**Not applied:** {exc}"
         return f"Applied **{name}** to {models.shared.model_name}."
 
-    def compare(name: str | None, model: str | None) -> str:
+    def compare(name: str | None, model: str | None, eval_dataset: str | None) -> str:
         if not name:
             return "Choose an adapter."
-        try:
-            background.start_evaluation(EvalArgs(model=model or "", lora=name))
+        try:  # the form's eval dataset, if one is chosen; else the run's own eval data
+            background.start_evaluation(EvalArgs(model=model or "", lora=name, dataset=eval_dataset or ""))
         except (jobs.Busy, TextgenError) as exc:
             gr.Warning(str(exc))
             return str(exc)
@@ -213,8 +213,8 @@ def build() -> None:
     resume.click(admin_only("resume training")(launch_resume), inputs, status, concurrency_limit=1)
     stop.click(admin_only("stop training")(halt), None, status, queue=False)
     apply.click(admin_only("apply LoRAs")(apply_adapter), adapter, action, concurrency_limit=1)
-    evaluate.click(admin_only("run evaluations")(compare), [adapter, components["model"]], action,
-                   concurrency_limit=1)  # fmt: skip
+    evaluate.click(admin_only("run evaluations")(compare), [adapter, components["model"], components["eval_dataset"]],
+                   action, concurrency_limit=1)  # fmt: skip
     refresh.click(lists, None, [components["model"], components["dataset"], components["format"], adapter])
     timer = gr.Timer(1.0)
     timer.tick(tick, None, [status, plot, table], queue=False, show_progress="hidden")

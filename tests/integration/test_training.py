@@ -252,3 +252,56 @@ def test_converted_lora_on_llama_cpp_matches_peft_on_transformers(folders: Path)
     assert got[0][0] == int(expected.argmax())
     error = sum(abs(float(expected[token]) - logprob) for token, logprob in got) / len(got)
     assert error < 0.25, error  # Q4_1 noise is ~0.05; unpermuted q/k rows give ~1.1
+
+
+def test_padding_free_batches_keep_samples_apart(folders: Path) -> None:
+    """Each sample of a padding-free micro-batch (the run's Trainer: its collator, its model) gets the logits it gets
+    alone, and the batch's loss is the loss of its samples each measured alone: attention and labels never cross
+    samples."""
+    import torch
+
+    from modules.training.datasets import IGNORE
+    from modules.training.run import SampleSet, load_model, make_trainer, prepare
+
+    args, paths, data = prepare(TrainingArgs(model="tiny-llama", dataset="example-chat.jsonl", name="pf", rank=4,
+                                             dropout=0.0, batching="padding_free"))  # fmt: skip
+    model, tokenizer = load_model(args, paths.model)
+    trainer = make_trainer(args, model, tokenizer, data, paths.output, lambda *a, **k: None, threading.Event())
+    samples = [SampleSet(data.train)[i] for i in range(4)]
+    batch = trainer.data_collator(samples)
+    assert batch["input_ids"].shape[0] == 1  # one row, no padding
+    with torch.no_grad():
+        packed = trainer.model(**batch)
+        start, total, counted = 0, 0.0, 0
+        for sample in samples:
+            n = len(sample["input_ids"])
+            alone = trainer.model(
+                input_ids=torch.tensor([sample["input_ids"]]), labels=torch.tensor([sample["labels"]])
+            )
+            torch.testing.assert_close(packed.logits[0, start : start + n], alone.logits[0], atol=1e-4, rtol=1e-4)
+            tokens = sum(1 for label in sample["labels"][1:] if label != IGNORE)
+            total, counted, start = total + float(alone.loss) * tokens, counted + tokens, start + n
+    assert float(packed.loss) == pytest.approx(total / counted, rel=1e-4)
+
+
+def test_cli_flags_win_over_copy_from_even_at_their_default(folders: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--copy-from`` takes the earlier run's parameters but for the flags given, a flag given at its default value
+    (``--learning-rate 3e-4`` over a run trained at 1e-2) included."""
+    from modules.training import __main__ as cli
+    from modules.training import datasets
+
+    monkeypatch.setattr(datasets, "ALLOW_PATHS", False)  # the CLI switches it on for its process; restored after
+    earlier = TrainingArgs(model="tiny-llama", dataset="example-chat.jsonl", name="earlier", learning_rate=1e-2, rank=4,
+                           micro_batch_size=2, seed=7)  # fmt: skip
+    (shared.loras_dir() / "earlier").mkdir(parents=True)
+    (shared.loras_dir() / "earlier" / "training_parameters.json").write_text(json.dumps(earlier.to_dict()))
+    default_lr = TrainingArgs().learning_rate
+    code = cli.main(["--model", "tiny-llama", "--dataset", "example-chat.jsonl", "--name", "copied",
+                     "--copy-from", "earlier", "--learning-rate", str(default_lr), "--max-steps", "1", "--no-gguf",
+                     "--user-data-dir", str(folders / "user_data"), "--model-dir", str(folders / "models"),
+                     "--lora-dir", str(folders / "loras")])  # fmt: skip
+    assert code == 0
+    used = json.loads((folders / "loras" / "copied" / "training_parameters.json").read_text())
+    assert used["learning_rate"] == default_lr  # given: wins, although it is the default
+    assert (used["rank"], used["micro_batch_size"], used["seed"]) == (4, 2, 7)  # not given: the earlier run's
+    assert (used["max_steps"], used["gguf"], used["copy_from"]) == (1, False, "earlier")
