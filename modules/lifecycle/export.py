@@ -145,6 +145,12 @@ def _gguf(args: ExportArgs, output: Path, report: jobs.Reporter, cancel: threadi
             jobs.check(cancel)
             report(message="fidelity check: loading the exported file in llama.cpp")
             result.fidelity = check(staged, hf_source, f16 if f16 != staged else None)
+            problem = fidelity.verdict(result.fidelity, quant)
+            if problem:  # the work folder, and the file in it, go: nothing is left under the output's name
+                raise fidelity.FidelityFailed(
+                    f"not written: {output.name} is not the model it came from: {problem} "
+                    f"({fidelity.summary(result.fidelity)}). Export with --no-check to keep such a file anyway."
+                )
             atomic_write_text(report_file, json.dumps(result.fidelity, indent=2))
             report(message="checked: " + fidelity.summary(result.fidelity))
         jobs.check(cancel)

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from modules.errors import TextgenError
+
 FIDELITY_TEXT = Path(__file__).with_name("data") / "fidelity.txt"
 PROMPTS = (
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -28,6 +30,16 @@ PROMPTS = (
 )
 TOKENS = 32
 TEXT_TOKENS = 384  # tokens of FIDELITY_TEXT scored (enough for a stable ratio, quick on CPU)
+# Where greedy outputs part, the HF model's logit margin between its token and llama.cpp's: a rounding near-tie is
+# small (SmolLM2-135M: 0.01-0.02 for F16 and Q4_1 alike, on AMD EPYC and Intel Xeon), a conversion that computes
+# another function is not (the same model converted with a wrong activation: 1.2-3.0 on every prompt).
+REAL_MARGIN = 0.5
+LOSSLESS = ("F32", "F16", "BF16")
+HF_FP32_SHARE = 0.85  # of the available RAM the fp32 HF copy may take beside the GGUF
+
+
+class FidelityFailed(TextgenError):
+    """The exported file is not the model it came from (numbers in the message); nothing was kept."""
 
 
 @dataclass
@@ -58,6 +70,8 @@ class FidelityReport:
     top1_same: float | None = None  # share of positions where this file's top token is F16's
     tokens_per_s: float | None = None
     seconds: float = 0.0
+    tokenizer_mismatch: list[str] = field(default_factory=list)  # prompts the two tokenizers split differently
+    hf_skipped: str = ""  # why there is no comparison with the HF model (its fp32 copy would not fit in RAM)
 
     @property
     def prompts_identical(self) -> int:
@@ -73,8 +87,12 @@ class FidelityReport:
     def summary(self) -> str:
         """One line for the CLI and the UI."""
         parts = [f"{Path(self.path).name}: {self.size_bytes / 1e6:.1f} MB, {self.bits_per_weight:.2f} bpw"]
+        if self.tokenizer_mismatch:
+            parts.append(f"the tokenizers differ on {len(self.tokenizer_mismatch)} prompt(s)")
         if self.agreement:
             parts.append(f"greedy agreement {self.prompts_identical}/{len(self.agreement)} prompts")
+        if self.hf_skipped:
+            parts.append(f"no comparison with the HF model: {self.hf_skipped}")
         if self.perplexity is not None:
             parts.append(f"PPL {self.perplexity:.3f}")
         if self.kld is not None:
@@ -126,16 +144,38 @@ def load_hf(source: Path) -> tuple[Any, Any]:
     return model.eval(), AutoTokenizer.from_pretrained(str(source), local_files_only=True)
 
 
+def hf_fits(source: Path, gguf: Path, available: int | None = None) -> str:
+    """Why the HF model's fp32 copy cannot be loaded beside the GGUF here ("" when it can): parameters from the
+    safetensors headers, 4 bytes each, plus the GGUF file, against the available RAM."""
+    import psutil
+
+    from modules.lifecycle.memory import count_from_safetensors
+
+    files = sorted(Path(source).glob("*.safetensors"))
+    if not files:
+        return ""
+    params = count_from_safetensors(files)[0].total
+    need = params * 4 + Path(gguf).stat().st_size
+    have = int((psutil.virtual_memory().available if available is None else available) * HF_FP32_SHARE)
+    if need <= have:
+        return ""
+    return f"its fp32 copy and the file need {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB of RAM is free"
+
+
 def greedy_agreement(
     hf: tuple[Any, Any], backend: Any, prompts: tuple[str, ...] = PROMPTS, n: int = TOKENS
-) -> tuple[list[PromptAgreement], float]:
-    """Compare greedy continuations of an HF model and a loaded GGUF; also returns llama.cpp's tokens/s."""
+) -> tuple[list[PromptAgreement], float, list[str]]:
+    """Compare greedy continuations of an HF model and a loaded GGUF, each prompt split by each side's own
+    tokenizer; also returns llama.cpp's tokens/s and the prompts the two tokenizers split differently (a tokenizer
+    conversion bug: those are compared from llama.cpp's split)."""
     model, tokenizer = hf
     eos = model.generation_config.eos_token_id
     banned = sorted({*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id} - {None})
-    results, speeds = [], []
+    results, speeds, mismatched = [], [], []
     for prompt in prompts:
         ids = backend.encode(prompt, add_special=False)
+        if list(tokenizer(prompt, add_special_tokens=False).input_ids) != list(ids):
+            mismatched.append(prompt)
         got, speed = _gguf_greedy(backend, ids, n)
         speeds.append(speed)
         want, rows = _hf_greedy(model, ids, n, banned)
@@ -145,7 +185,25 @@ def greedy_agreement(
             row = rows[agreed]
             margin = float(row[want[agreed]] - row[got[agreed]])
         results.append(PromptAgreement(prompt=prompt, agreed=agreed, total=n, margin=margin))
-    return results, float(np.median(speeds)) if speeds else 0.0
+    return results, float(np.median(speeds)) if speeds else 0.0, mismatched
+
+
+def verdict(report: dict[str, Any], quant: str) -> str:
+    """Why an exported file must not be used ("" when it may): the tokenizers split a prompt differently; a lossless
+    type (F32, F16, BF16) parts from the HF model where the HF model was sure (margin above REAL_MARGIN) on any
+    prompt; a quantized one does so on most prompts. A quantized file's own loss (PPL, KLD) is reported, not judged."""
+    problems = []
+    if report.get("tokenizer_mismatch"):
+        problems.append(f"the GGUF's tokenizer splits {len(report['tokenizer_mismatch'])} prompt(s) differently")
+    real = [a for a in report.get("agreement") or [] if a.get("margin") is not None and a["margin"] > REAL_MARGIN]
+    allowed = 0 if quant.upper() in LOSSLESS else len(report.get("agreement") or []) // 2
+    if len(real) > allowed:
+        where = ", ".join(f"token {a['agreed']} (margin {a['margin']:.2f})" for a in real)
+        problems.append(
+            f"it parts from the HF model where that model was sure on {len(real)} of "
+            f"{len(report['agreement'])} prompts: {where}"
+        )
+    return "; ".join(problems)
 
 
 def text_ids(backend: Any, limit: int = TEXT_TOKENS) -> list[int]:
@@ -209,12 +267,14 @@ def check_gguf(
     start = time.perf_counter()
     path = Path(path)
     report = FidelityReport(path=str(path), size_bytes=path.stat().st_size, bits_per_weight=bits_per_weight(path))
+    if hf is None and hf_source is not None:
+        report.hf_skipped = hf_fits(hf_source, path)
     backend = load_gguf(path)
     try:
-        if hf is None and hf_source is not None:
+        if hf is None and hf_source is not None and not report.hf_skipped:
             hf = load_hf(hf_source)
         if hf is not None:
-            report.agreement, report.tokens_per_s = greedy_agreement(hf, backend, prompts, n)
+            report.agreement, report.tokens_per_s, report.tokenizer_mismatch = greedy_agreement(hf, backend, prompts, n)
         else:
             _, report.tokens_per_s = _gguf_greedy(backend, backend.encode(prompts[0], add_special=False), n)
         ids = reference[0] if reference is not None else text_ids(backend)

@@ -124,3 +124,22 @@ def test_cli_merge_then_export_and_refusal(tiny_models: Path, tmp_path: Path) ->
     assert "importance matrix" in refused.stderr and "Traceback" not in refused.stderr
     assert not (tmp_path / "x.gguf").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "merged.Q4_0.gguf"]
+
+
+def test_an_export_that_is_not_the_model_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    """The default model with a config that transformers reads one way and llama.cpp's converter another (the
+    activation): the file converts, but it is another function than the HF model, and the check refuses it."""
+    source = tmp_path / "wrong-activation"
+    source.mkdir()
+    for item in hf_default_model().iterdir():
+        (source / item.name).symlink_to(item)
+    config = json.loads((hf_default_model() / "config.json").read_text())
+    (source / "config.json").unlink()
+    (source / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    out = tmp_path / "out" / "wrong.F16.gguf"
+    with pytest.raises(fidelity.FidelityFailed, match="parts from the HF model where that model was sure") as failed:
+        export(ExportArgs(source, quant="F16", output=out), noop, threading.Event())
+    assert "greedy agreement" in str(failed.value) and "--no-check" in str(failed.value)
+    assert list(out.parent.iterdir()) == []  # no file, no report, no work folder
+    result = export(ExportArgs(source, quant="F16", output=out, check=False), noop, threading.Event())
+    assert out.is_file() and result.fidelity is None  # asked for: kept unchecked
