@@ -1,8 +1,9 @@
 """A Hub model card (README.md) for an exported or merged model, naming only the files that are really uploaded.
 
-YAML header: base_model, license, tags, quantization, pipeline_tag, library_name. Body: what the files are (with
-the fidelity numbers export measured), usage for textgen, llama.cpp, Ollama (a Modelfile), LM Studio and
-transformers, and, when a LoRA was merged, the LoRA settings, training parameters and datasets.
+``huggingface_hub``'s ModelCard and ModelCardData make it: base_model (a Hub id, never a path), base_model_relation,
+license, tags, datasets, quantization, pipeline_tag, library_name. Body: what the files are (with the fidelity
+numbers export measured), usage for textgen, llama.cpp, Ollama (a Modelfile), LM Studio and transformers (a LoRA
+adapter: with its base), and, when a LoRA was merged, the LoRA settings, training parameters and datasets.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from modules.lifecycle.merge import MERGE_INFO, public_name
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelCardData
 
 
 @dataclass
@@ -60,33 +64,61 @@ def _gguf_quant(name: str) -> str:
     return parts[-1].upper() if len(parts) > 1 else "GGUF"
 
 
+def _is_gguf_adapter(path: Path) -> bool:
+    """Whether a GGUF file is a LoRA adapter (llama.cpp's converter writes ``general.type: adapter``)."""
+    from modules.lifecycle.gguf import GGUFError, read_header
+
+    try:
+        return read_header(path)[0].get("general.type") == "adapter"
+    except GGUFError:
+        return False
+
+
+def _is_adapter(folder: Path, files: list[str]) -> bool:
+    """A LoRA export: a PEFT folder or a GGUF adapter."""
+    return "adapter_config.json" in files or any(_is_gguf_adapter(folder / f) for f in files if f.endswith(".gguf"))
+
+
+def _card_data(args: CardArgs, files: list[str], merge: dict[str, Any], adapter: bool) -> ModelCardData:
+    """The card's metadata, as ``huggingface_hub`` models it. ``base_model_relation`` says what these files are to
+    the base: ``adapter`` (a PEFT folder or a GGUF LoRA), ``finetune`` (a LoRA merged into its one base: the Hub's
+    ``merge`` means a merge of several models), ``quantized`` (a GGUF of the base); a plain re-save says none."""
+    from huggingface_hub import ModelCardData
+
+    folder = Path(args.folder)
+    ggufs = [f for f in files if f.endswith(".gguf")]
+    peft = _read_json(folder / "adapter_config.json") if "adapter_config.json" in files else {}
+    candidates = [merge.get("base_model"), peft.get("base_model_name_or_path"),
+                  _read_json(folder / "config.json").get("_name_or_path")]  # fmt: skip
+    given = args.base_model if public_name(args.base_model) == args.base_model else ""
+    base = given or next((c for c in candidates if _hub_id(c)), "")  # never a local path
+    relation = "adapter" if adapter else "finetune" if merge else "quantized" if ggufs else None
+    training = merge.get("training") or {}
+    datasets = [str(training[k]) for k in ("dataset", "eval_dataset") if _hub_id(training.get(k))]
+    quants = sorted({_gguf_quant(f) for f in ggufs})
+    tags = ["textgen", *(["gguf", "llama.cpp"] if ggufs else []), *(["merge", "lora"] if merge else []),
+            *(["lora"] if adapter else []), *args.tags]  # fmt: skip
+    library = "peft" if peft else "gguf" if ggufs and "config.json" not in files else "transformers"
+    return ModelCardData(
+        base_model=base or None, base_model_relation=relation if base else None, license=args.license or "other",
+        tags=tags, datasets=datasets or None, library_name=library, pipeline_tag="text-generation",
+        quantization=(quants[0] if len(quants) == 1 else quants) if quants else None,
+    )  # fmt: skip
+
+
 def render(args: CardArgs) -> str:
-    """The README.md text."""
+    """The README.md text: ``huggingface_hub``'s ModelCard, its YAML from ``_card_data``."""
+    from huggingface_hub import ModelCard
+
     folder = Path(args.folder)
     files = args.files or upload_files(folder)
     ggufs = [f for f in files if f.endswith(".gguf")]
-    has_hf = "config.json" in files
     merge = public_name(_read_json(folder / MERGE_INFO))  # a merge file of an older textgen may hold paths
-    config = _read_json(folder / "config.json")
-    candidates = [merge.get("base_model"), config.get("_name_or_path")]
-    base = args.base_model or next((c for c in candidates if _hub_id(c)), "")  # never a local path
-    quants = sorted({_gguf_quant(f) for f in ggufs})
-    tags = ["textgen", *(["gguf", "llama.cpp"] if ggufs else []), *(["merge", "lora"] if merge else []), *args.tags]
-    header: dict[str, Any] = {}
-    if base:
-        header["base_model"] = base
-    header["license"] = args.license or "other"
-    header["tags"] = list(dict.fromkeys(tags))
-    if quants:
-        header["quantization"] = quants[0] if len(quants) == 1 else quants
-    header["pipeline_tag"] = "text-generation"
-    header["library_name"] = "gguf" if ggufs and not has_hf else "transformers"
-    name = args.repo.split("/")[-1]
-    out = ["---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "", f"# {name}", ""]
-    out += [
-        f"{'A merge of a LoRA adapter into ' if merge else 'An export of '}`{base or 'a model'}`, made with textgen.",
-        "",
-    ]
+    adapter = _is_adapter(folder, files)
+    data = _card_data(args, files, merge, adapter)
+    base = data.base_model or "a model"
+    what = "A LoRA adapter for" if adapter else "A merge of a LoRA adapter into" if merge else "An export of"
+    out = [f"# {args.repo.split('/')[-1]}", "", f"{what} `{base}`, made with textgen.", ""]
     out += ["## Files", "", "| file | size |", "|---|---|"]
     for f in files:
         size = (folder / f).stat().st_size if (folder / f).is_file() else 0
@@ -97,12 +129,13 @@ def render(args: CardArgs) -> str:
         if fidelity:
             out += [f"Fidelity of `{f}` (measured by textgen's export): " + _fidelity_line(fidelity), ""]
     if ggufs:
-        out += _gguf_usage(args.repo, ggufs[0])
-    if has_hf:
+        out += _gguf_adapter_usage(ggufs[0]) if adapter else _gguf_usage(args.repo, ggufs[0])
+    if "config.json" in files:
         out += _hf_usage(args.repo)
     if merge:
         out += _merge_section(merge)
-    return "\n".join(out).rstrip() + "\n"
+    text = "\n".join(out).rstrip() + "\n"
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}"))
 
 
 def _fidelity_line(data: dict[str, Any]) -> str:
@@ -147,6 +180,25 @@ def _gguf_usage(repo: str, gguf: str) -> list[str]:
         "```",
         "",
         f"**LM Studio**: search for `{repo}` in the Discover tab and pick `{gguf}`, or `lms import {Path(gguf).name}`.",
+        "",
+    ]
+
+
+def _gguf_adapter_usage(gguf: str) -> list[str]:
+    name = Path(gguf).name
+    return [
+        "## Usage",
+        "",
+        "**textgen**: put the file in `loras/` and apply it in the Model tab to a GGUF of the base model.",
+        "",
+        "**llama.cpp**: the base model's GGUF with this adapter:",
+        "",
+        "```sh",
+        f"llama-cli -m BASE.gguf --lora {name}",
+        f"llama-server -m BASE.gguf --lora {name}",
+        "```",
+        "",
+        f"**Ollama**: `FROM` the base model and `ADAPTER ./{name}` in the `Modelfile`.",
         "",
     ]
 

@@ -268,10 +268,9 @@ class KernelSession:
                 continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "status" and content.get("execution_state") == "idle":
+            if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
                 break
-            collector.feed(kind, content)
+            collector.feed(msg)
         self._drain_replies()
         collector.elapsed(time.monotonic() - started)
         collector.finish(None)

@@ -1,11 +1,16 @@
-"""A running cell's iopub messages as nbformat v4 outputs: streams merged, clear_output and display updates
-honoured, the total size capped. The kernel's thread feeds a collector while the page reads snapshots of it."""
+"""A running cell's iopub messages as nbformat v4 outputs (``nbformat.v4.output_from_msg`` maps them): streams
+merged, clear_output and display updates honoured, the total size capped. The kernel's thread feeds a collector
+while the page reads snapshots of it."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+import nbformat
+
+OUTPUT_MESSAGES = ("stream", "display_data", "execute_result", "error")  # what nbformat.v4.output_from_msg maps
 
 
 @dataclass
@@ -102,22 +107,19 @@ class OutputCollector:
         self.used += size
         outputs.append(output)
 
-    def feed(self, msg_type: str, content: dict[str, Any]) -> None:
-        """Take one iopub message that belongs to the running cell."""
+    def feed(self, msg: dict[str, Any]) -> None:
+        """Take one iopub message (as jupyter_client gives it) that belongs to the running cell."""
         with self.lock:
-            self._feed(msg_type, content)
+            self._feed(msg["header"]["msg_type"], msg)
 
-    def _feed(self, msg_type: str, content: dict[str, Any]) -> None:
-        if msg_type == "stream":
-            self._append({"output_type": "stream", "name": content.get("name", "stdout"), "text": content["text"]})
-        elif msg_type in ("display_data", "execute_result"):
-            output: dict[str, Any] = {
-                "output_type": msg_type,
-                "data": content.get("data", {}),
-                "metadata": content.get("metadata", {}),
-            }
-            if msg_type == "execute_result":
-                output["execution_count"] = content.get("execution_count")
+    def _feed(self, msg_type: str, msg: dict[str, Any]) -> None:
+        content = msg["content"]
+        if msg_type in OUTPUT_MESSAGES:
+            try:
+                output = dict(nbformat.v4.output_from_msg(msg))  # nbformat's own mapping, validated
+            except (KeyError, ValueError, nbformat.ValidationError) as exc:
+                self._note(f"the kernel sent a {msg_type} message that is no valid output ({exc!s:.200})")
+                return
             self._append(output)
             display_id = (content.get("transient") or {}).get("display_id")
             if display_id and self.result.outputs and self.result.outputs[-1] is output:
@@ -126,15 +128,6 @@ class OutputCollector:
             index = self.displays.get((content.get("transient") or {}).get("display_id", ""))
             if index is not None and index < len(self.result.outputs):
                 self.result.outputs[index]["data"] = content.get("data", {})
-        elif msg_type == "error":
-            self._append(
-                {
-                    "output_type": "error",
-                    "ename": content.get("ename", "Error"),
-                    "evalue": content.get("evalue", ""),
-                    "traceback": list(content.get("traceback", [])),
-                }
-            )
         elif msg_type == "clear_output":
             if content.get("wait"):
                 self.clear_pending = True
@@ -145,7 +138,10 @@ class OutputCollector:
         elif msg_type == "execute_input":
             self.result.execution_count = content.get("execution_count")
 
+    def _note(self, text: str) -> None:
+        self.result.outputs.append({"output_type": "stream", "name": "stderr", "text": f"[textgen: {text}]\n"})
+
     def note(self, text: str) -> None:
         """Add a line from textgen itself (not from the kernel) to the outputs."""
         with self.lock:
-            self.result.outputs.append({"output_type": "stream", "name": "stderr", "text": f"[textgen: {text}]\n"})
+            self._note(text)

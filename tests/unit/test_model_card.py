@@ -225,3 +225,59 @@ def test_a_pushed_gguf_goes_alone_and_no_path_or_token_leaves(tmp_path: Path, pu
     (merged / "README.md").write_text("# my own card")
     push(PushArgs(merged, "me/merged", token="hf_me", endpoint=push_hub.url), lambda *a, **k: None, threading.Event())
     assert pushed["README.md"] == b"# my own card" and (merged / "README.md").read_text() == "# my own card"
+
+
+def test_the_hub_reads_base_relation_license_and_tags_and_no_path(tmp_path: Path) -> None:
+    """huggingface_hub parses each card as the Hub will: what the files are to their base, and no local path."""
+    import gguf
+    import numpy as np
+    from huggingface_hub import ModelCard
+
+    from modules.lifecycle.merge import merge_info
+
+    def hub_data(target: Path, **kw: str) -> dict:
+        card = prepare(PushArgs(target, "me/out", **kw))[2]
+        assert str(tmp_path) not in card and tmp_path.name not in card, card
+        return ModelCard(card).data.to_dict()
+
+    quant = tmp_path / "models" / "Base.Q4_K_M.gguf"  # a GGUF quant of a Hub base
+    quant.parent.mkdir()
+    quant.write_bytes(b"GGUF" + b"\0" * 100)
+    data = hub_data(quant, base_model="org/base", license="mit")
+    assert (data["base_model"], data["base_model_relation"], data["license"]) == ("org/base", "quantized", "mit")
+    assert {"gguf", "llama.cpp"} <= set(data["tags"]) and data["library_name"] == "gguf"
+    assert "base_model" not in hub_data(quant, base_model=str(tmp_path / "models" / "Base"))  # a path is no base
+
+    lora = tmp_path / "loras" / "secret"  # a PEFT adapter on a Hub base, trained on a Hub dataset and a local file
+    lora.mkdir(parents=True)
+    (lora / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", "r": 8}))
+    (lora / "adapter_model.safetensors").write_bytes(b"x")
+    (tmp_path / "eval.jsonl").write_text("{}")
+    training = {"dataset": "HuggingFaceH4/no_robots", "eval_dataset": str(tmp_path / "eval.jsonl")}
+    (lora / "training_parameters.json").write_text(json.dumps(training))
+    data = hub_data(lora, license="apache-2.0")
+    assert (data["base_model"], data["base_model_relation"], data["library_name"]) == ("org/base", "adapter", "peft")
+    assert "lora" in data["tags"]
+
+    merged = tmp_path / "merged"  # that LoRA merged into its base: a fine-tune (the Hub's "merge" is of several models)
+    merged.mkdir()
+    (merged / "model.safetensors").write_bytes(b"x")
+    (merged / "config.json").write_text(json.dumps({"_name_or_path": str(tmp_path / "models" / "Base")}))
+    (merged / MERGE_INFO).write_text(json.dumps(merge_info(tmp_path / "models" / "Base", lora, "float16", False)))
+    data = hub_data(merged, license="apache-2.0")
+    assert (data["base_model"], data["base_model_relation"], data["license"]) == ("org/base", "finetune", "apache-2.0")
+    assert data["datasets"] == ["HuggingFaceH4/no_robots"] and {"merge", "lora"} <= set(data["tags"])
+
+    adapter = tmp_path / "loras" / "secret.F16.gguf"  # the LoRA as a GGUF adapter (what llama.cpp's converter writes)
+    writer = gguf.GGUFWriter(str(adapter), "llama")
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((8, 16), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    card = prepare(PushArgs(adapter, "me/out", base_model="org/base"))[2]
+    assert str(tmp_path) not in card
+    data = ModelCard(card).data.to_dict()
+    assert (data["base_model"], data["base_model_relation"]) == ("org/base", "adapter") and "lora" in data["tags"]
+    assert "--lora secret.F16.gguf" in card and "-hf " not in card  # llama.cpp loads it over its base
