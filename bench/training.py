@@ -91,8 +91,6 @@ def ours(model_path: Path, dataset: Path, steps: int, batch: int, lr: float, ran
     from modules.training.args import TrainingArgs
     from modules.training.run import train
 
-    datasets.ALLOW_PATHS = True  # a script, like the CLI, may name any file its user can read
-
     with tempfile.TemporaryDirectory() as loras:
         shared.init(load_settings(["--lora-dir", loras], env={}))
         args = TrainingArgs(model=str(model_path), dataset=str(dataset), name="bench", max_steps=steps,
@@ -104,7 +102,8 @@ def ours(model_path: Path, dataset: Path, steps: int, batch: int, lr: float, ran
             if "tokens" in metrics:
                 marks.append((time.perf_counter(), int(metrics["tokens"])))
 
-        summary = train(args, report, threading.Event())
+        with datasets.allow_paths():  # a script, like the CLI, may name any file its user can read
+            summary = train(args, report, threading.Event())
     return {"marks": marks, "final_loss": summary["final_loss"]}
 
 

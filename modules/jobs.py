@@ -15,6 +15,7 @@ cancel and the result cross a pipe; a child whose server is gone stops at its ne
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import signal
 import threading
@@ -410,6 +411,14 @@ def cancel(job_id: str) -> bool:
     return True
 
 
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """A reporter that shows nothing."""
+
+
+def _nothing() -> None:
+    """Nothing to close."""
+
+
 def tqdm_reporter(desc: str, unit: str = "it", unit_scale: bool = False) -> tuple[Reporter, Callable[[], None]]:
     """A reporter that draws a tqdm bar on the console (for the CLIs), and the function that closes it."""
     from tqdm import tqdm
@@ -438,15 +447,23 @@ def run_foreground(
     unit: str = "it",
     unit_scale: bool | None = None,
     poll_s: float = 0.1,
+    progress: bool = True,
 ) -> Any:
-    """Run ``fn(report, cancel)`` for a CLI: a tqdm bar on the console, the work in a worker thread, and Ctrl+C
-    (KeyboardInterrupt in the main thread) setting ``cancel`` so the job stops at its next check, cleanly.
+    """Run ``fn(report, cancel)`` for a CLI or a script: a tqdm bar on the console (none with ``progress=False``),
+    the work in a worker thread, and Ctrl+C (KeyboardInterrupt in the main thread) setting ``cancel`` so the job
+    stops at its next check, cleanly. The bar is closed however the job ends.
 
     Returns what ``fn`` returns (also after a Ctrl+C, when ``fn`` chose to finish, as training does with a
     checkpoint); re-raises what ``fn`` raised; a :class:`Cancelled` after Ctrl+C is raised as KeyboardInterrupt,
     so the caller prints its "interrupted" line. A second Ctrl+C stops waiting for the job to wind down.
+    The worker runs in a copy of the caller's context (its context variables, such as
+    :func:`modules.training.datasets.allow_paths`).
     """
-    report, close = tqdm_reporter(title, unit=unit, unit_scale=unit == "B" if unit_scale is None else unit_scale)
+    context = contextvars.copy_context()
+    if progress:
+        report, close = tqdm_reporter(title, unit=unit, unit_scale=unit == "B" if unit_scale is None else unit_scale)
+    else:
+        report, close = _quiet, _nothing
     cancel = threading.Event()
     outcome: dict[str, Any] = {}
 
@@ -460,7 +477,7 @@ def run_foreground(
         finally:
             ended.set()
 
-    worker = threading.Thread(target=work, name=f"foreground-{title}", daemon=True)
+    worker = threading.Thread(target=context.run, args=(work,), name=f"foreground-{title}", daemon=True)
     try:
         try:
             worker.start()

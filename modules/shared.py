@@ -1,6 +1,7 @@
 """The hub: settings, the single loaded model, its lock and the running generations' stop events.
 
-Nothing happens at import; ``server.py`` (or a test) calls :func:`init`.
+Nothing happens at import; ``server.py``, a CLI, a script (or a test) calls :func:`init`, and :data:`initialized` says
+whether one did (a Workbench sets the hub up only where nothing has).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ settings: Settings = Settings()
 explicit: frozenset[str] = frozenset()  # settings given on the command line or in the environment
 extension_params: dict[str, dict[str, Any]] = {}
 ui_defaults: dict[str, Any] = {}  # settings.yaml keys that are not server settings (UI defaults)
+initialized = False  # init() was given settings: a server, a CLI or a script set the hub up
 
 model: Backend | None = None
 model_name: str | None = None
@@ -35,9 +37,11 @@ _stop_events: dict[str, threading.Event] = {}
 
 
 def init(loaded: LoadedSettings | None = None) -> None:
-    """Reset the hub to fresh settings (and no model)."""
+    """Reset the hub to ``loaded`` settings (and no model); without settings, back to how import left it (defaults,
+    not :data:`initialized`). A loaded model is dropped, not unloaded: unload it first (``models.unload_model``)."""
     global settings, explicit, extension_params, ui_defaults, model, model_name, model_options
-    global loading_model, load_error, loras, load_progress
+    global loading_model, load_error, loras, load_progress, initialized
+    initialized = loaded is not None
     loaded = loaded or LoadedSettings(settings=Settings())
     settings = loaded.settings
     explicit = loaded.explicit

@@ -13,7 +13,6 @@ See docs/python-api.md for a complete script.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,16 +20,12 @@ from typing import Any
 from modules import jobs
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 class Workbench:
     """A loaded model and the lifecycle steps around it."""
 
     def __init__(
         self,
-        model: str | Path,
+        model: str | Path | None = None,
         *,
         models_dir: str | Path | None = None,
         loras_dir: str | Path | None = None,
@@ -38,48 +33,136 @@ class Workbench:
         options: dict[str, Any] | None = None,
         progress: bool = False,
     ) -> None:
-        """Load ``model``: a path (file or HF folder), a name in the models folder, or a Hub ``ORG/NAME``.
+        """Load ``model``: a path (file or HF folder), a name in the models folder, or a Hub ``ORG/NAME``; ``None``
+        takes the model already loaded, as it is.
 
         ``options`` are load settings (``loader``, ``n_ctx``, ``load_in_4bit`` ...) that win over the smart config.
+
+        Settings: where nothing has set the hub up yet (a plain script), it is set up from user_data/settings.yaml,
+        the environment and the folders given here (a model path's folder is the models folder). Where something
+        has (a running textgen, a CLI, a script that called ``shared.init``), its settings are kept as they are: a
+        folder given here that differs from them is refused, and a model path must lie in its models folder.
+        Loading replaces the loaded model, as the Model tab's Load does.
         """
         from modules import models, shared
-        from modules.settings import load_settings
 
         self.progress = progress
-        path = Path(model).expanduser()
-        if models_dir is None and path.exists():
-            models_dir, name = path.resolve().parent, path.name
+        self.requested = dict(options or {})
+        if not shared.initialized:
+            model = self._init_hub(model, models_dir, loras_dir, user_data_dir)
         else:
-            name = str(model)
-        flags: list[str] = []
-        for flag, value in (("--model-dir", models_dir), ("--lora-dir", loras_dir), ("--user-data-dir", user_data_dir)):
-            if value is not None:
-                flags += [flag, str(value)]
-        shared.init(load_settings(flags, env=dict(os.environ)))
-        if not (shared.models_dir() / name).exists():
-            from modules.lifecycle import load_hooks
+            self._check_folders(models_dir=models_dir, lora_dir=loras_dir, user_data_dir=user_data_dir)
+        if model is None:
+            if shared.model is None or shared.model_name is None:
+                from modules.errors import ModelNotLoaded
 
-            name = load_hooks.ensure_local(name, self._reporter("download"))
-        self.name = name
-        self.plan = self._smart_plan(shared.models_dir() / name)
-        overrides = {**(self.plan.get("options") or {}), **(options or {})}
-        self.backend = models.load_model(name, overrides or None)
+                raise ModelNotLoaded('No model is loaded: name one, Workbench("path-or-repo")')
+            self.name, self.backend = shared.model_name, shared.model
+            self.plan: dict[str, Any] = {"source": "the model was already loaded"}
+        else:
+            name = self._model_name(model)
+            if not (shared.models_dir() / name).exists():
+                name = self._download(name)
+            self.name = name
+            self.plan = self._smart_plan(shared.models_dir() / name)
+            overrides = {**(self.plan.get("options") or {}), **self.requested}
+            self.backend = models.load_model(name, overrides or None)
         loaded = getattr(self.backend, "path", None)
-        self.path = Path(loaded) if loaded else shared.models_dir() / name
+        self.path = Path(loaded) if loaded else shared.models_dir() / self.name
+        self.measured = self._measured(self.name)
         self.history: list[dict[str, Any]] = []
         self.last_lora: Path | None = None
         self.last_merge: Path | None = None
         self.last_export: Path | None = None
 
     # ------------------------------------------------------------------ helpers
-    def _reporter(self, title: str) -> jobs.Reporter:
-        if not self.progress:
-            return _noop
-        report, _close = jobs.tqdm_reporter(title)
-        return report
+    @staticmethod
+    def _init_hub(
+        model: str | Path | None, models_dir: str | Path | None, loras_dir: str | Path | None,
+        user_data_dir: str | Path | None,
+    ) -> str | Path | None:  # fmt: skip
+        """Set the hub up as a script's: settings.yaml, the environment, these folders; returns the model's name."""
+        from modules import shared
+        from modules.settings import load_settings
 
-    def _run(self, title: str, fn: Any, args: Any) -> Any:
-        return fn(args, self._reporter(title), threading.Event())
+        if model is not None:
+            path = Path(model).expanduser()
+            if models_dir is None and path.exists():
+                models_dir, model = path.resolve().parent, path.name
+        flags: list[str] = []
+        for flag, value in (("--model-dir", models_dir), ("--lora-dir", loras_dir), ("--user-data-dir", user_data_dir)):
+            if value is not None:
+                flags += [flag, str(value)]
+        shared.init(load_settings(flags, env=dict(os.environ)))
+        return model
+
+    @staticmethod
+    def _check_folders(**folders: str | Path | None) -> None:
+        """Refuse a folder that differs from the settings the process has (they are not ours to change)."""
+        from modules import shared
+        from modules.errors import InvalidRequest
+        from modules.paths import resolve
+
+        for key, value in folders.items():
+            if value is None:
+                continue
+            have = resolve(getattr(shared.settings, key))
+            if os.path.abspath(resolve(Path(value).expanduser())) != os.path.abspath(have):
+                raise InvalidRequest(
+                    f"this process already has its settings ({key} {have}); a Workbench uses them as they are: "
+                    f"leave {key} out, or run the script in a process of its own",
+                    key,
+                )
+
+    @staticmethod
+    def _model_name(model: str | Path) -> str:
+        """The name in the models folder for a name, a Hub ``ORG/NAME`` or a path (one in the models folder)."""
+        from modules import shared
+        from modules.errors import InvalidRequest
+
+        path = Path(model).expanduser()
+        if not path.exists() or (not path.is_absolute() and (shared.models_dir() / path).exists()):
+            return str(model)
+        root = shared.models_dir()
+        for inside, folder in (
+            (Path(os.path.abspath(path)), Path(os.path.abspath(root))),
+            (path.resolve(), root.resolve()),
+        ):
+            if inside.is_relative_to(folder) and inside != folder:
+                return inside.relative_to(folder).as_posix()
+        raise InvalidRequest(
+            f"{path} is outside the models folder ({root}) of this process, whose settings a Workbench keeps: "
+            "put the model (or a link to it) in that folder, or run the script in a process of its own",
+            "model",
+        )
+
+    def _download(self, name: str) -> str:
+        """``ORG/NAME`` not in the models folder: the download job (its bar closed however it ends)."""
+        from modules.lifecycle import load_hooks
+
+        if not self.progress:
+            return load_hooks.ensure_local(name)
+        report, close = jobs.tqdm_reporter(f"download {name}", unit="B", unit_scale=True)
+        try:  # in the caller's thread: Ctrl+C stops waiting at once (the shared download job goes on)
+            return load_hooks.ensure_local(name, report)
+        finally:
+            close()
+
+    @staticmethod
+    def _measured(name: str) -> Any:
+        """The memory the load of ``name`` measurably took (the load path measures it), if that was the last load."""
+        try:
+            from modules.lifecycle import memory
+        except ImportError:
+            return None
+        last = memory.last_load
+        return last if last is not None and last.model == name else None
+
+    def _run(self, title: str, fn: Any, args: Any, unit: str = "it") -> Any:
+        """``fn(args, report, cancel)`` as the CLIs run it: a tqdm bar when ``progress`` (closed however the step
+        ends), Ctrl+C stopping the step at its next check (then KeyboardInterrupt)."""
+        return jobs.run_foreground(title, lambda report, cancel: fn(args, report, cancel), unit=unit,
+                                   progress=self.progress)  # fmt: skip
 
     @staticmethod
     def _smart_plan(path: Path) -> dict[str, Any]:
@@ -138,10 +221,9 @@ class Workbench:
         from modules.training.args import TrainingArgs
         from modules.training.run import train
 
-        datasets.ALLOW_PATHS = True  # a script may name any file its user can read
-
         args = TrainingArgs(model=str(self._hf_folder()), dataset=dataset, name=name, **fields)
-        summary: dict[str, Any] = self._run(f"finetune {name}", train, args)
+        with datasets.allow_paths():  # this call may name any file its user can read; the server's requests may not
+            summary: dict[str, Any] = self._run(f"finetune {name}", train, args, unit="step")
         from modules import shared
 
         self.last_lora = shared.loras_dir() / name
@@ -213,19 +295,45 @@ class Workbench:
         return result
 
     def report(self) -> dict[str, Any]:
-        """What is loaded and how, as the backend says (not as asked), and what the steps produced."""
+        """What is loaded and how, as the backend says (not as asked), and what the steps produced.
+
+        ``loader``, ``context_length``, ``parallel``, ``dtype``, ``quantization``, ``device`` and ``stats`` come from
+        the loaded backend; ``loras`` are the adapters applied to it; ``memory`` is what its load measurably took;
+        ``requested`` is this Workbench's ``options`` (what was asked), ``plan`` the smart config's advice.
+        """
         from modules import shared
 
         backend = self.backend
+        extra = backend.metadata.extra
+        loaded = shared.model is backend
+        measured = self.measured
+        memory = None
+        if measured is not None:
+            mib = 2**20
+            memory = {
+                "ram_increase_mib": round(measured.rss_increase / mib, 1),
+                "gpu_increase_mib": round(measured.gpu_increase / mib, 1),
+                "estimated_ram_mib": round(measured.estimate.ram / mib, 1) if measured.estimate else None,
+                "text": measured.text(),
+            }
         return {
             "model": self.name,
             "path": str(self.path),
-            "loader": shared.model_options.get("loader"),
+            "loaded": loaded,  # False once another model replaced it (the Model tab, another Workbench)
+            "loader": backend.loader_name,
             "backend": type(backend).__name__,
-            "options": {k: v for k, v in shared.model_options.items() if k != "loader"},
+            "architecture": backend.metadata.architecture,
             "context_length": backend.context_length,
+            "trained_context_length": backend.metadata.context_length,
             "parallel": backend.max_parallel,
-            "loras": list(shared.loras),
+            "dtype": extra.get("dtype"),
+            "quantization": extra.get("quantization") or extra.get("quantized"),
+            "device": extra.get("device"),
+            "description": extra.get("description"),
+            "loras": list(shared.loras) if loaded else [],
+            "stats": backend.stats() if loaded else {},
+            "memory": memory,
+            "requested": dict(self.requested),
             "plan": self.plan,
             "last_lora": str(self.last_lora) if self.last_lora else None,
             "last_merge": str(self.last_merge) if self.last_merge else None,
@@ -234,7 +342,9 @@ class Workbench:
         }
 
     def close(self) -> None:
-        """Unload the model."""
-        from modules import models
+        """Unload this Workbench's model, if it is still the loaded one (another model loaded since stays)."""
+        from modules import models, shared
 
-        models.unload_model()
+        with shared.model_lock:
+            if shared.model is self.backend:
+                models.unload_model()

@@ -89,6 +89,13 @@ def _best_slot(free: list[_Slot], prompt: list[int]) -> _Slot:
     return max(free, key=value)
 
 
+def _file_type(description: str) -> str | None:
+    """The weights' type as llama.cpp names it ("Q4_1", "Q4_K - Medium", "BF16") from its model description
+    ("llama 256M Q4_1": architecture, size, then the file type)."""
+    parts = description.split(" ", 2)
+    return parts[2] if len(parts) == 3 else None
+
+
 class LlamaCppBackend(SideOps, Backend):
     """GGUF models through llama-cpp-python's low-level API."""
 
@@ -230,6 +237,7 @@ class LlamaCppBackend(SideOps, Backend):
             add_bos_token=bool(model.add_bos_token()),
             extra={
                 "description": model.desc(),
+                "quantization": _file_type(model.desc()),
                 "parameters": model.n_params(),
                 "size": model.size(),
                 "n_vocab": self._n_vocab,

@@ -35,7 +35,7 @@ class LoadedObjects:
     vision: bool
     device: Any
     config: Any
-    dtype: Any
+    dtype: Any  # the loaded model's (torch.float32 ...), not the option
     vocab: int
     quantized: str | None
 
@@ -105,10 +105,9 @@ def load_model_objects(path: Path, options: dict[str, Any]) -> LoadedObjects:
     output = model.get_output_embeddings()
     vocab = int(output.weight.shape[0]) if output is not None else int(getattr(config, "vocab_size", len(tokenizer)))
     device = next(model.parameters()).device
-    log.info(
-        "transformers: %s on %s (%s%s)", folder.name, device, kwargs["dtype"], f", {quantized}" if quantized else ""
-    )
-    return LoadedObjects(model, tokenizer, processor, vision, device, config, kwargs["dtype"], vocab, quantized)
+    loaded_dtype = getattr(model, "dtype", None) or kwargs["dtype"]  # what "auto" became, not what was asked
+    log.info("transformers: %s on %s (%s%s)", folder.name, device, loaded_dtype, f", {quantized}" if quantized else "")
+    return LoadedObjects(model, tokenizer, processor, vision, device, config, loaded_dtype, vocab, quantized)
 
 
 def _memory(value: str) -> str:

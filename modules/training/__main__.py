@@ -62,7 +62,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from modules.training import datasets
     from modules.training.run import train
 
-    datasets.ALLOW_PATHS = True  # the command line may name any file its user can read
     options = vars(parser().parse_args(argv))
     folders = []
     for key in ("user_data_dir", "model_dir", "lora_dir"):
@@ -76,9 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = TrainingArgs(**options)
     given = given_fields(argv)  # the flags that win over --copy-from's values
     try:  # Ctrl+C stops the run at its next step with a checkpoint, and the adapter so far is saved
-        summary: dict[str, Any] = jobs.run_foreground(
-            f"training {args.name}", lambda report, cancel: train(args, report, cancel, explicit=given), unit="step"
-        )
+        with datasets.allow_paths():  # the command line may name any file its user can read
+            summary: dict[str, Any] = jobs.run_foreground(
+                f"training {args.name}", lambda report, cancel: train(args, report, cancel, explicit=given), unit="step"
+            )
     except TextgenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,14 +56,32 @@ class TrainingData:
         return sum(sum(1 for x in s.labels if x != IGNORE) for s in self.train)
 
 
-# Paths outside user_data are taken from the CLI and scripts (their user owns the machine), never from the web UI.
-ALLOW_PATHS = False
+# Paths outside user_data are taken from the CLI and scripts (their user owns the machine), never from the web UI or
+# the API: only calls made inside allow_paths() get them, so a script in a server's process never lends them out.
+_paths_allowed: ContextVar[bool] = ContextVar("training_paths_allowed", default=False)
+
+
+@contextmanager
+def allow_paths() -> Iterator[None]:
+    """Within this block, the calls of this thread (and the jobs it runs with :func:`modules.jobs.run_foreground`,
+    which inherit its context) may name a dataset, format or model by any path their user can read. Other threads
+    (the server's requests, the Training tab's jobs) keep the user_data rule, also while the block runs."""
+    token = _paths_allowed.set(True)
+    try:
+        yield
+    finally:
+        _paths_allowed.reset(token)
+
+
+def paths_allowed() -> bool:
+    """True inside :func:`allow_paths` (the CLI, a script); the web UI and the API never are."""
+    return _paths_allowed.get()
 
 
 def resolve_file(folder: Path, name: str, what: str, suffixes: tuple[str, ...] = SUFFIXES) -> Path:
     """A user's file: ``name`` (with or without suffix) inside ``folder``; from the CLI, also a path as given."""
     direct = Path(name).expanduser()
-    if ALLOW_PATHS and direct.is_absolute() and direct.is_file():
+    if paths_allowed() and direct.is_absolute() and direct.is_file():
         return direct
     try:
         candidates = [safe_child(folder, name)] + [safe_child(folder, name + s) for s in suffixes]
@@ -69,7 +90,7 @@ def resolve_file(folder: Path, name: str, what: str, suffixes: tuple[str, ...] =
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    if ALLOW_PATHS and direct.is_file():
+    if paths_allowed() and direct.is_file():
         return direct.resolve()
     raise InvalidRequest(f"{what} {name!r} is not a file in {folder}", param=what)
 

@@ -50,7 +50,7 @@ def resolve_model(name: str) -> Path:
     from modules.training import datasets
 
     direct = Path(name).expanduser()
-    if datasets.ALLOW_PATHS and direct.is_dir() and (direct / "config.json").is_file():
+    if datasets.paths_allowed() and direct.is_dir() and (direct / "config.json").is_file():
         return direct.resolve()
     try:
         path = safe_child(shared.models_dir(), name)

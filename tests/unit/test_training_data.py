@@ -145,7 +145,7 @@ def test_every_argument_is_documented() -> None:
     assert all(len(text) > 10 for text in docs.values())
 
 
-def test_the_web_ui_cannot_name_files_outside_user_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_web_ui_cannot_name_files_outside_user_data(tmp_path: Path) -> None:
     from modules.errors import InvalidRequest
     from modules.training import datasets as ds
 
@@ -153,9 +153,25 @@ def test_the_web_ui_cannot_name_files_outside_user_data(tmp_path: Path, monkeypa
     outside.write_text('{"messages": []}\n')
     folder = tmp_path / "datasets"
     folder.mkdir()
-    monkeypatch.setattr(ds, "ALLOW_PATHS", False)
     for name in (str(outside), "../secret.jsonl"):
         with pytest.raises(InvalidRequest):
             ds.resolve_file(folder, name, "dataset")
-    monkeypatch.setattr(ds, "ALLOW_PATHS", True)  # the CLI and scripts
-    assert ds.resolve_file(folder, str(outside), "dataset") == outside
+    with ds.allow_paths():  # the CLI and scripts
+        assert ds.resolve_file(folder, str(outside), "dataset") == outside
+    with pytest.raises(InvalidRequest):  # and only inside the block
+        ds.resolve_file(folder, str(outside), "dataset")
+
+
+def test_the_cli_permission_reaches_its_foreground_job_and_no_other_thread() -> None:
+    import threading
+
+    from modules import jobs
+    from modules.training import datasets as ds
+
+    with ds.allow_paths():  # what the training CLI does around its run
+        in_the_job = jobs.run_foreground("paths", lambda report, cancel: ds.paths_allowed(), progress=False)
+        elsewhere: list[bool] = []
+        server = threading.Thread(target=lambda: elsewhere.append(ds.paths_allowed()))
+        server.start()
+        server.join()
+    assert in_the_job is True and elsewhere == [False] and not ds.paths_allowed()
