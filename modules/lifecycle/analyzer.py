@@ -224,7 +224,7 @@ def analyze_folder(folder: Path, target: str | None = None) -> Analysis:
         shape = memory.shape_from_config(config)
     except ValueError as exc:
         raise ModelLoadError(f"{folder.name}: {exc}") from exc
-    count = memory.count_from_config(config)
+    count = memory.count_parameters(config)  # the meta-device model where transformers has it, else arithmetic
     dtype = str(memory.text_config(config).get("torch_dtype") or config.get("torch_dtype") or config.get("dtype") or "")
     quant = _quantization(config)
     safetensors = sorted(folder.glob("*.safetensors"))
@@ -256,9 +256,7 @@ def analyze_folder(folder: Path, target: str | None = None) -> Analysis:
         result.weight_bytes, result.bytes_by_type = weight_bytes, by_dtype
         result.weight_bytes_source = "safetensors headers"
         if header_count.total != count.total:
-            result.notes.append(
-                f"config.json arithmetic gives {count.total} parameters; the files hold {header_count.total}"
-            )
+            result.notes.append(f"{count.source} gives {count.total} parameters; the files hold {header_count.total}")
             count = header_count
     elif safetensors or pickles:
         result.weight_bytes = sum(p.stat().st_size for p in safetensors or pickles)

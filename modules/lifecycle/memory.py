@@ -2,9 +2,11 @@
 this process uses now.
 
 Counts come from ``config.json``, safetensors headers or a GGUF's tensor table; no weight is read. From a
-``config.json`` alone the count is arithmetic over the architecture (embeddings once when they are tied, K/V
-projections sized by the KV heads, every expert of an MoE counted in the total and ``experts_used`` of them in the
-active count); from files it is the sum of the tensors' shapes.
+``config.json`` alone transformers builds the model on the meta device and its parameters are counted
+(:func:`count_from_meta`); for a ``model_type`` transformers does not have, the count is arithmetic over the
+architecture (embeddings once when they are tied, K/V projections sized by the KV heads, every expert of an MoE
+counted in the total and ``experts_used`` of them in the active count); from files it is the sum of the tensors'
+shapes.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class ParamCount:
     total: int
     active: int
     embedding: int
-    source: str  # "config.json" | "safetensors headers" | "GGUF tensors"
+    source: str  # META_SOURCE | "config.json" (arithmetic) | "safetensors headers" | "GGUF tensors"
     exact: bool = True  # False: a family the arithmetic does not know (counted as a Llama-like decoder)
 
 
@@ -186,6 +188,74 @@ def count_from_config(config: dict[str, Any]) -> ParamCount:
     head = 0 if shape.tied_embeddings else shape.vocab_size * h
     rest = embedding + head + h  # embeddings, output head, final norm
     return ParamCount(total + rest, active + rest, embedding, "config.json", exact=shape.model_type in _FAMILIES)
+
+
+META_SOURCE = "transformers model on the meta device"
+"""``ParamCount.source`` of a count from :func:`count_from_meta`."""
+
+_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj", ".experts.up_proj", ".experts.gate_proj")
+
+
+def _is_expert(name: str) -> bool:
+    """A routed expert's tensor (``...mlp.experts.3.w1.weight`` or a fused ``...mlp.experts.gate_up_proj``)."""
+    return ".experts." in name or name.endswith(_EXPERT_SUFFIXES)
+
+
+def count_from_meta(config: dict[str, Any]) -> ParamCount | None:
+    """Parameters of the model transformers builds from ``config`` on the meta device: exact for every architecture
+    transformers has, with no weight allocated. ``None`` when transformers (or accelerate) is not installed, does not
+    know the ``model_type`` (no remote code is ever run: ``trust_remote_code=False``), or cannot build it.
+
+    Tied parameters are one ``Parameter`` object, counted once (``model.parameters()`` yields each object once).
+    The MoE active count keeps every non-expert parameter and ``experts_used / experts`` of the routed experts'."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        return None
+    try:
+        import torch
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return None
+    if model_type not in CONFIG_MAPPING:
+        return None
+    clean = {k: v for k, v in config.items() if k not in ("auto_map", "quantization_config")}
+    try:
+        hf_config = CONFIG_MAPPING[model_type].from_dict(clean)
+        with init_empty_weights(include_buffers=True):
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
+        total = expert = 0
+        for name, param in model.named_parameters():  # each Parameter object once: tied count once
+            if param.device != torch.device("meta"):
+                return None  # something was allocated: not the planning count this is meant to be
+            total += param.numel()
+            if _is_expert(name):
+                expert += param.numel()
+        embeddings = model.get_input_embeddings()
+        embedding = sum(p.numel() for p in embeddings.parameters()) if embeddings is not None else 0
+    except Exception:  # any failure to build means: use the arithmetic
+        return None
+    active = total
+    try:
+        shape = shape_from_config(config)
+    except ValueError:
+        shape = None
+    if shape and shape.experts and expert:
+        active = total - expert + expert * shape.experts_used // shape.experts
+    return ParamCount(total, active, embedding, META_SOURCE)
+
+
+def count_parameters(config: dict[str, Any]) -> ParamCount:
+    """Parameters from a ``config.json`` alone: :func:`count_from_meta` where transformers knows the architecture,
+    else :func:`count_from_config`'s arithmetic, its source saying why."""
+    meta = count_from_meta(config)
+    if meta is not None:
+        return meta
+    count = count_from_config(config)
+    model_type = config.get("model_type")
+    count.source = f"config.json arithmetic (transformers cannot build model_type {model_type!r})"
+    return count
 
 
 def kv_bytes_per_token(shape: ModelShape, bytes_per_value: float = 2.0) -> int:

@@ -121,3 +121,54 @@ def test_inspect_works_on_a_folder_with_only_config_json(tmp_path: Path) -> None
     assert analysis.active_parameters == 12_879_925_248 and analysis.experts == 8 and analysis.experts_used == 2
     assert analysis.weight_bytes == 46_702_792_704 * 2  # bfloat16, from config.json
     assert analysis.context_length == 32768 and not analysis.remote_code
+
+
+# ---------------------------------------------------------------- the model built on the meta device (issue #28)
+def test_meta_counts_are_the_published_sizes() -> None:
+    llama = memory.count_from_meta(LLAMA_3_8B)
+    assert llama is not None and llama.source == memory.META_SOURCE
+    assert llama.total == 8_030_261_248 and llama.embedding == 128256 * 4096
+    mixtral = memory.count_from_meta(MIXTRAL_8X7B)
+    assert mixtral is not None and mixtral.total == 46_702_792_704  # every expert in the total
+    assert round(mixtral.active / 1e9, 1) == 12.9  # 2 of 8 experts per token
+    qwen = memory.count_from_meta(QWEN2_0_5B)
+    assert qwen is not None and qwen.total == 494_032_768  # the tied output head is the embedding, counted once
+    moe = memory.count_from_meta(QWEN1_5_MOE_A2_7B)
+    assert moe is not None and round(moe.active / 1e9, 1) == 2.7  # the shared expert is not a routed one
+
+
+def test_meta_count_of_the_default_model_equals_its_safetensors() -> None:
+    folder = hf_default_model()
+    header_count, _, _ = memory.count_from_safetensors(sorted(folder.glob("*.safetensors")))
+    meta = memory.count_from_meta(json.loads((folder / "config.json").read_text()))
+    assert meta is not None and meta.total == header_count.total and meta.embedding == header_count.embedding
+
+
+def test_meta_count_is_exact_where_the_arithmetic_is_not() -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 300, "n_positions": 64}
+    torch.manual_seed(0)
+    real = GPT2LMHeadModel(GPT2Config(**config))  # a real tiny model, allocated: its own count
+    meta = memory.count_parameters(config)
+    assert meta.source == memory.META_SOURCE and meta.exact
+    assert meta.total == real.num_parameters() == sum(p.numel() for p in real.parameters())
+
+
+def test_unknown_model_type_falls_back_to_the_arithmetic_and_runs_no_remote_code(tmp_path: Path) -> None:
+    config = {**LLAMA_3_8B, "model_type": "my_private_llama", "auto_map": {"AutoModelForCausalLM": "boom.Model"}}
+    (tmp_path / "boom.py").write_text("raise SystemExit('remote code ran')\n")
+    assert memory.count_from_meta(config) is None
+    count = memory.count_parameters(config)
+    assert "arithmetic" in count.source and "my_private_llama" in count.source and not count.exact
+    assert count.total == memory.count_from_config(LLAMA_3_8B).total
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    analysis = analyzer.analyze(str(tmp_path))
+    assert "arithmetic" in analysis.parameters_source and not analysis.parameters_exact
+
+
+def test_a_config_only_folder_is_counted_on_the_meta_device(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA2_2B))
+    analysis = analyzer.analyze(str(tmp_path))
+    assert analysis.parameters_source == memory.META_SOURCE and analysis.parameters == 2_614_341_888
