@@ -284,13 +284,11 @@ def test_padding_free_batches_keep_samples_apart(folders: Path) -> None:
     assert float(packed.loss) == pytest.approx(total / counted, rel=1e-4)
 
 
-def test_cli_flags_win_over_copy_from_even_at_their_default(folders: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_flags_win_over_copy_from_even_at_their_default(folders: Path) -> None:
     """``--copy-from`` takes the earlier run's parameters but for the flags given, a flag given at its default value
     (``--learning-rate 3e-4`` over a run trained at 1e-2) included."""
     from modules.training import __main__ as cli
-    from modules.training import datasets
 
-    monkeypatch.setattr(datasets, "ALLOW_PATHS", False)  # the CLI switches it on for its process; restored after
     earlier = TrainingArgs(model="tiny-llama", dataset="example-chat.jsonl", name="earlier", learning_rate=1e-2, rank=4,
                            micro_batch_size=2, seed=7)  # fmt: skip
     (shared.loras_dir() / "earlier").mkdir(parents=True)
