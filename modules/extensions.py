@@ -364,6 +364,26 @@ def apply_tokenizer(state: dict[str, Any], prompt: str, input_ids: list[int]) ->
     return prompt, input_ids
 
 
+def logits_processors(prompt_ids: list[int]) -> list[Callable[..., Any]]:
+    """The ``logits_processor_modifier`` processors for one request, each guarded like a hook (torch needed).
+
+    The pipeline calls this and hands the list to a backend that ``supports_logits_processors`` in ``extra``;
+    backends never call hooks themselves.
+    """
+    exts = implementers("logits_processor_modifier")
+    if not exts:
+        return []
+    import torch
+
+    processors: list[Any] = []
+    for ext in exts:
+        before = len(processors)
+        call(ext, "logits_processor_modifier", processor_list=processors, input_ids=torch.tensor([prompt_ids]))
+        # a processor that raises switches its extension off and ends this reply with a clear error
+        processors[before:] = [guard_callable(ext, "logits_processor_modifier", p) for p in processors[before:]]
+    return processors
+
+
 def reference() -> str:
     """The hook reference of docs/extensions.md, generated from the hookspecs."""
     lines = ["| hook | arguments | called | what it does |", "|---|---|---|---|"]

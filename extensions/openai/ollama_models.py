@@ -24,7 +24,7 @@ from extensions.openai.internal import loaded_first
 from extensions.openai.protocol import _Base
 from modules import models, shared
 from modules.embeddings import DIMENSIONS, MAX_TOKENS, MODEL_NAME
-from modules.lifecycle.gguf import GGUFError, read_header
+from modules.formats.gguf import GGUFError, read_header
 
 # The Ollama version /api/version reports: clients check it before they use newer features (GitHub Copilot and
 # Raycast want at least 0.6.4); everything they then send (tools, structured output, /api/embed) is served.

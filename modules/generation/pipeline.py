@@ -223,8 +223,11 @@ def prepare(
     if extensions.implementers("tokenizer_modifier"):
         text = prompt if isinstance(prompt, str) else backend.decode(prompt_ids)
         _, prompt_ids = extensions.apply_tokenizer(state, text, prompt_ids)
-    if extensions.implementers("logits_processor_modifier") and not backend.supports_logits_processors:
-        log.debug("logits processors from extensions need a torch backend; %s ignores them", backend.loader_name)
+    if extensions.implementers("logits_processor_modifier"):
+        if backend.supports_logits_processors:
+            extra["logits_processors"] = extensions.logits_processors(prompt_ids)
+        else:
+            log.debug("logits processors from extensions need a torch backend; %s ignores them", backend.loader_name)
     limit = backend.context_length
     if len(prompt_ids) >= limit:
         raise ContextOverflow(len(prompt_ids), limit)

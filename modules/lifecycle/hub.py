@@ -4,12 +4,13 @@ Built on ``huggingface_hub``: ``HfApi.model_info`` lists the files with their ch
 and ``http_get`` fetch each one with the library's auth headers, redirects, retries and HTTP ``Range`` resume.
 ``HF_TOKEN`` (or ``hf auth login``) and ``HF_ENDPOINT`` are honoured; ``HF_HUB_OFFLINE=1`` turns downloads off.
 
-Why not ``snapshot_download``: since huggingface_hub 2.x it writes each file to a per-process temporary name and
-deletes it when the download fails, so an interrupted multi-GB GGUF starts again from zero. Here every file grows
-in ``models/.downloads/NAME/PATH.part`` (next to a note of the file's ETag) and a later run, or the library's own
-retry within a run, asks only for the missing bytes. A file is checked against its sha256 (LFS) or git blob id
-before it is kept; the model appears under its final name only when every file is complete: a folder
-``models/ORG_NAME[_BRANCH]/``, a single GGUF straight in ``models/``, a PEFT adapter in ``loras/ORG_NAME/``.
+Why not ``hf_hub_download``/``snapshot_download`` with ``local_dir``: in the pinned huggingface_hub (2.4.0) they write
+each file to a per-process temporary name and delete it when the download fails, so an interrupted multi-GB GGUF
+starts again from zero (``test_the_librarys_hf_hub_download_starts_over_after_a_failed_run`` keeps this checked).
+Here every file grows in ``models/.downloads/NAME/PATH.part`` (next to a note of the file's ETag) and a later run,
+or the library's own retry within a run, asks only for the missing bytes. A file is checked against its sha256
+(LFS) or git blob id before it is kept; the model appears under its final name only when every file is complete:
+a folder ``models/ORG_NAME[_BRANCH]/``, a single GGUF straight in ``models/``, a PEFT adapter in ``loras/ORG_NAME/``.
 
 Every download in the server runs as a job (:func:`start_job`): two callers asking for the same files share one job,
 and fetches into the same staging folder take turns, so a repo is never fetched twice at once nor half-overwritten.

@@ -11,15 +11,15 @@ shapes.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from modules.formats import safetensors
 
 MiB = 2**20
 
@@ -265,21 +265,6 @@ def kv_bytes_per_token(shape: ModelShape, bytes_per_value: float = 2.0) -> int:
 
 
 # ---------------------------------------------------------------- from files
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (names, dtypes, shapes, offsets); no tensor data is read."""
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path.name} is not a safetensors file (too short)")
-        (length,) = struct.unpack("<Q", raw)
-        if length > 100 * MiB:
-            raise ValueError(f"{path.name} is not a safetensors file (header of {length} bytes)")
-        header = json.loads(handle.read(length))
-    if not isinstance(header, dict):
-        raise ValueError(f"{path.name} has no valid safetensors header")
-    return header
-
-
 def count_from_safetensors(
     files: list[Path], shape: ModelShape | None = None
 ) -> tuple[ParamCount, int, dict[str, int]]:
@@ -287,7 +272,7 @@ def count_from_safetensors(
     total = expert = embedding = weight_bytes = 0
     by_dtype: dict[str, int] = {}
     for path in files:
-        for name, info in read_safetensors_header(path).items():
+        for name, info in safetensors.read_header(path)[0].items():
             if name == "__metadata__":
                 continue
             numel = 1
@@ -344,7 +329,7 @@ def count_from_gguf(meta: dict[str, Any], tensors: list[dict[str, Any]]) -> tupl
     """(parameters, tensor bytes, bytes per GGML type) from a GGUF's tensor table."""
     from gguf.constants import GGMLQuantizationType
 
-    from modules.lifecycle.gguf import _tensor_bytes
+    from modules.formats.gguf import tensor_bytes
 
     shape = shape_from_gguf(meta, tensors)
     total = expert = embedding = weight_bytes = 0
@@ -353,7 +338,7 @@ def count_from_gguf(meta: dict[str, Any], tensors: list[dict[str, Any]]) -> tupl
         numel = 1
         for dim in info["shape"]:
             numel *= int(dim)
-        size = _tensor_bytes(info)
+        size = tensor_bytes(info)
         weight_bytes += size
         try:
             type_name = GGMLQuantizationType(info["type"]).name

@@ -66,7 +66,7 @@ def _gguf_quant(name: str) -> str:
 
 def _is_gguf_adapter(path: Path) -> bool:
     """Whether a GGUF file is a LoRA adapter (llama.cpp's converter writes ``general.type: adapter``)."""
-    from modules.lifecycle.gguf import GGUFError, read_header
+    from modules.formats.gguf import GGUFError, read_header
 
     try:
         return read_header(path)[0].get("general.type") == "adapter"

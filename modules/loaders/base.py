@@ -244,7 +244,8 @@ class Backend(ABC):
         """Stream tokens until EOS, ``max_new_tokens``, the context end, or ``cancel`` is set.
 
         The last event carries ``finish_reason``. Raises QueueFull (or a refusal) before streaming.
-        ``extra`` may hold ``prompt_text`` (the prompt as text) and ``model_inputs`` (from encode_multimodal).
+        ``extra`` may hold ``prompt_text`` (the prompt as text), ``model_inputs`` (from encode_multimodal) and
+        ``logits_processors`` (the extensions' processors, for a backend that ``supports_logits_processors``).
         """
 
     def encode_multimodal(self, prompt: str, images: list[Any]) -> tuple[list[int], dict[str, Any]]:

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model is None:
-        from modules.lifecycle.default_model import packaged_model
+        from modules.paths import packaged_model
 
         args.model = packaged_model()
     if args.child:

@@ -9,49 +9,25 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
 from modules.errors import ModelLoadError
+from modules.formats import gguf, safetensors
 
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
-_MAX_SAFETENSORS_HEADER = 100 * 2**20
 INCOMPLETE = "download it again (an interrupted download or copy leaves a file like this)"
 
 
-def _gguf_data_end(path: Path) -> tuple[dict[str, Any], int]:
-    """(metadata, the byte offset where the file's last tensor ends); GGUFError if the header is unreadable."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from modules.lifecycle.gguf import GGUFError, read_header
-
-    meta, tensors, start = read_header(path)
-    end = start
-    for info in tensors:
-        try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info["type"])]
-        except (ValueError, KeyError) as exc:
-            raise GGUFError(
-                f"{path.name}: tensor {info['name']!r} has type {info['type']}, which this llama.cpp does not know"
-            ) from exc
-        count = 1
-        for dim in info["shape"]:
-            count *= int(dim)
-        end = max(end, start + int(info["offset"]) + count // block * type_size)
-    if not tensors and int(meta.get("split.count", 1) or 1) <= 1:
-        raise GGUFError(f"{path.name} holds no tensors")
-    return meta, end
-
-
 def _check_gguf_one(path: Path) -> dict[str, Any]:
-    from modules.lifecycle.gguf import GGUFError
-
     if not path.is_file():
         raise ModelLoadError(f"{path.name} is missing")
     try:
-        meta, end = _gguf_data_end(path)
-    except GGUFError as exc:
+        meta, tensors, start = gguf.read_header(path)
+        if not tensors and int(meta.get("split.count", 1) or 1) <= 1:
+            raise gguf.GGUFError(f"{path.name} holds no tensors")
+        end = gguf.data_end(tensors, start)
+    except gguf.GGUFError as exc:
         raise ModelLoadError(f"{exc}; {INCOMPLETE}") from exc
     size = path.stat().st_size
     if end > size:
@@ -83,26 +59,11 @@ def gguf_file(path: Path) -> None:
 
 
 def _safetensors(path: Path) -> None:
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-        if len(raw) != 8:
-            raise ModelLoadError(f"{path.name} is empty or truncated; {INCOMPLETE}")
-        (length,) = struct.unpack("<Q", raw)
-        if length > _MAX_SAFETENSORS_HEADER or 8 + length > size:
-            raise ModelLoadError(f"{path.name} is not a complete safetensors file; {INCOMPLETE}")
-        try:
-            header = json.loads(handle.read(length))
-        except ValueError as exc:
-            raise ModelLoadError(f"{path.name} has a corrupt safetensors header; {INCOMPLETE}") from exc
-    if not isinstance(header, dict):
-        raise ModelLoadError(f"{path.name} has a corrupt safetensors header; {INCOMPLETE}")
-    ends = [
-        int(info["data_offsets"][1])
-        for name, info in header.items()
-        if name != "__metadata__" and isinstance(info, dict) and isinstance(info.get("data_offsets"), list)
-    ]
-    need = 8 + length + max(ends, default=0)
+    try:
+        header, start = safetensors.read_header(path)
+    except safetensors.SafetensorsError as exc:
+        raise ModelLoadError(f"{exc}; {INCOMPLETE}") from exc
+    need, size = safetensors.data_end(header, start), path.stat().st_size
     if need > size:
         raise ModelLoadError(
             f"{path.name} is truncated: its header declares {need:,} bytes, the file has {size:,}; {INCOMPLETE}"

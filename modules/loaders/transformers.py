@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from modules import extensions
 from modules.errors import BackendUnavailable, InvalidRequest, ModelLoadError, NotSupported
 from modules.generation import sampling
 from modules.generation.params import GenerationParams
@@ -236,16 +235,6 @@ class TransformersBackend(Backend):
         assert self._grammars is not None
         matcher = self._grammars.matcher(params)  # an invalid grammar is refused here, before streaming
         generator = torch.Generator("cpu").manual_seed(params.resolved_seed())
-        processors: list[Any] = []
-        for ext in extensions.implementers("logits_processor_modifier"):
-            before = len(processors)
-            extensions.call(
-                ext, "logits_processor_modifier", processor_list=processors, input_ids=torch.tensor([prompt_ids])
-            )
-            # a processor that raises switches its extension off and ends this reply with a clear error
-            processors[before:] = [
-                extensions.guard_callable(ext, "logits_processor_modifier", p) for p in processors[before:]
-            ]
         chain = sampling.build_chain(
             params,
             vocab=self._n_vocab,
@@ -253,7 +242,7 @@ class TransformersBackend(Backend):
             prompt_length=len(prompt_ids),
             breaker_ids=self._breaker_ids(params),
             generator=generator,
-            extra=processors,
+            extra=list((extra or {}).get("logits_processors") or []),
         )
         return Request(
             prompt=list(prompt_ids),

@@ -17,7 +17,7 @@ from modules import extensions, models, shared
 from modules.chat.prompt import render_messages
 from modules.errors import ExtensionFailed, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
-from modules.generation.pipeline import generate_reply, generate_text, prepare
+from modules.generation.pipeline import generate_reply, generate_text, launch, prepare
 from tests.conftest import hf_default_model
 
 CAPITAL = [
@@ -227,9 +227,14 @@ def test_extension_logits_processors_apply(tiny: Path, user_data: Path) -> None:
     backend = models.load_model("tiny-llama")
     ids = backend.encode("Hello")
     forced = GenerationParams(temperature=0, max_new_tokens=3, logit_bias={banned: 50})
-    assert next(e.token_id for e in backend.generate(ids, forced, threading.Event()) if e.token_id >= 0) == banned
+
+    def tokens() -> list[int]:  # through the pipeline, which hands the extensions' processors to the backend
+        prepared = prepare(ids, forced, backend)
+        return [e.token_id for e in launch(prepared, backend, threading.Event()) if e.token_id >= 0]
+
+    assert tokens()[0] == banned
     extensions.load_extensions(["ban"])
-    assert banned not in [e.token_id for e in backend.generate(ids, forced, threading.Event()) if e.token_id >= 0]
+    assert banned not in tokens()
     broken = user_data / "extensions" / "broken_processor"
     broken.mkdir(parents=True)
     (broken / "script.py").write_text(
@@ -240,9 +245,9 @@ def test_extension_logits_processors_apply(tiny: Path, user_data: Path) -> None:
     )
     (ext,) = extensions.load_extensions(["broken_processor"])
     with pytest.raises(ExtensionFailed, match="broken_processor"):
-        list(backend.generate(ids, forced, threading.Event()))
+        tokens()
     assert not ext.active and "processor broke" in (ext.error or "")
-    assert banned not in [e.token_id for e in backend.generate(ids, forced, threading.Event()) if e.token_id >= 0]
+    assert banned not in tokens()
 
 
 def test_bin_weights_load_safely_and_remote_code_is_off(tiny: Path) -> None:

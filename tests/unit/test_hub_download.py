@@ -133,6 +133,27 @@ def test_interrupted_download_resumes_without_fetching_bytes_twice(lifecycle: Pa
     )
 
 
+def test_the_librarys_hf_hub_download_starts_over_after_a_failed_run(
+    lifecycle: Path, fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    """Why hub.py grows its own .part files with http_get instead of calling hf_hub_download(local_dir=...): in the
+    pinned huggingface_hub the library deletes its partial file when a run fails, so the next run fetches every byte
+    again. If a release keeps it (this test then fails), hub._fetch_file should become an hf_hub_download call."""
+    from huggingface_hub import hf_hub_download
+
+    key = ("org/tiny-llama", "model.safetensors")
+    fake_hub.drop_after[key] = 10 * MiB
+    fake_hub.unavailable[key] = 1
+    folder = tmp_path / "library"
+    with pytest.raises(Exception, match="503"):
+        hf_hub_download(*key, local_dir=folder, endpoint=fake_hub.url)
+    assert fake_hub.served[key] >= 10 * MiB
+    kept = [p for p in folder.rglob("*") if p.is_file() and p.stat().st_size >= MiB]
+    assert kept == []  # the 10 MiB that arrived are gone
+    hf_hub_download(*key, local_dir=folder, endpoint=fake_hub.url)
+    assert [g["range_start"] for g in fake_hub.file_gets(*key) if g["status"] != 503] == [0, 0]
+
+
 def test_a_dropped_connection_is_resumed_within_the_run(lifecycle: Path, fake_hub: FakeHub) -> None:
     key = ("org/tiny-llama", "model.safetensors")
     fake_hub.drop_after[key] = 10 * MiB

@@ -87,7 +87,7 @@ def test_safetensors_headers_count_the_tensors_on_disk() -> None:
 def test_gguf_sizes_equal_the_files_tensor_bytes() -> None:
     import llama_cpp
 
-    from modules.lifecycle.gguf import read_header
+    from modules.formats.gguf import read_header
     from modules.loaders.llama_cpp import _init_backend
 
     path = default_model_path()
