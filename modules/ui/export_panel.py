@@ -1,7 +1,8 @@
 """The Model tab's Merge / Export / Quant table panel: forms that start the lifecycle jobs and show their progress.
 
 Only an adapter: the work is ``lifecycle.merge.merge``, ``lifecycle.export.export`` and ``lifecycle.quant_table.build``
-run as background jobs (:mod:`modules.jobs`); a timer shows their progress, results and the fidelity numbers.
+run as background jobs in a child process (:func:`modules.jobs.start_process`), a push in a thread; a timer shows
+their progress, results and the fidelity numbers.
 """
 
 from __future__ import annotations
@@ -112,9 +113,17 @@ def refused(exc: Exception) -> str:
     return f"**Refused:** {exc}"
 
 
-def _start(title: str, fn: Any) -> str:
+def start_job(title: str, target: Any, args: Any, *, process: bool = True) -> jobs.Job:
+    """Start ``target(args, report, cancel)`` as the panel's job: in a child process (merge, export, quant table load
+    torch and llama.cpp: a native crash or an OOM kill ends the job, not the server), or in a thread (push)."""
+    if process:
+        return jobs.start_process(KIND, title, target, args, exclusive=True)
+    return jobs.start(KIND, title, lambda report, cancel: target(args, report, cancel), exclusive=True)
+
+
+def _start(title: str, target: Any, args: Any, *, process: bool = True) -> str:
     try:
-        job = jobs.start(KIND, title, fn, exclusive=True)
+        job = start_job(title, target, args, process=process)
     except jobs.Busy as exc:
         gr.Warning(str(exc))
         return job_text(jobs.running(KIND))
@@ -186,7 +195,7 @@ def build() -> None:
         except TextgenError as exc:
             return refused(exc)
         what = quant_ if fmt_ in ("gguf", "gguf-lora") else fmt_
-        return _start(f"export {name} {what}", lambda r, c: export(args, r, c))
+        return _start(f"export {name} {what}", export, args)
 
     def start_merge(base_: str, lora: str, out: str) -> str:
         from modules.lifecycle.convert import refuse_existing
@@ -198,7 +207,7 @@ def build() -> None:
             refuse_existing(args.output, args.overwrite)
         except TextgenError as exc:
             return refused(exc)
-        return _start(f"merge {lora} into {base_}", lambda r, c: merge(args, r, c))
+        return _start(f"merge {lora} into {base_}", merge, args)
 
     def start_table(name: str, chosen: list[str]) -> str:
         from modules.lifecycle.quant_table import TableArgs, build
@@ -208,7 +217,7 @@ def build() -> None:
         except TextgenError as exc:
             return refused(exc)
         args = TableArgs(source_path, shared.models_dir() / f"{name}-quants", tuple(chosen or DEFAULT_TYPES))
-        return _start(f"quant table {name}", lambda r, c: build(args, r, c))
+        return _start(f"quant table {name}", build, args)
 
     def push_args(name: str, repo: str, private: bool, license_: str, base_: str) -> Any:
         from modules.lifecycle.publish import PushArgs
@@ -235,7 +244,7 @@ def build() -> None:
             find_token(args)
         except TextgenError as exc:
             return refused(exc)
-        return _start(f"push {name} to {args.repo}", lambda r, c: push(args, r, c))
+        return _start(f"push {name} to {args.repo}", push, args, process=False)
 
     def cancel() -> str:
         job = jobs.running(KIND)

@@ -4,9 +4,12 @@ cancel, and the CLI a user types."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +146,24 @@ def test_an_export_that_is_not_the_model_is_refused_and_leaves_nothing(tmp_path:
     assert list(out.parent.iterdir()) == []  # no file, no report, no work folder
     result = export(ExportArgs(source, quant="F16", output=out, check=False), noop, threading.Event())
     assert out.is_file() and result.fidelity is None  # asked for: kept unchecked
+
+
+def test_the_model_tabs_export_runs_in_a_child_process_a_sigkill_ends_alone(tiny_models: Path, tmp_path: Path) -> None:
+    """The Model tab starts merge, export and the quant table in a child process (jobs.start_process): SIGKILL
+    there fails that job with the reason, leaves nothing under the output's name, and a retry works."""
+    from modules.ui import export_panel
+
+    out = tmp_path / "tiny.Q8_0.gguf"
+    args = ExportArgs(tiny_models / "tiny-llama", quant="Q8_0", output=out, check=False)
+    job = export_panel.start_job("export tiny-llama Q8_0", export, args)
+    deadline = time.monotonic() + 120
+    while not (job.pid and job.message) and job.state == "running" and time.monotonic() < deadline:
+        time.sleep(0.02)  # the child has started the export (it reports its first step)
+    assert job.state == "running" and job.pid is not None and job.pid != os.getpid()
+    os.kill(job.pid, signal.SIGKILL)
+    assert job.wait(60) and job.state == "failed"
+    assert "SIGKILL" in (job.error or ""), job.error
+    assert not out.exists()
+    again = export_panel.start_job("export tiny-llama Q8_0", export, args)
+    assert again.wait(300) and again.state == "done", again.error
+    assert Path(again.result.output) == out and quantize.tensor_types(out).get("Q8_0", 0) > 0
