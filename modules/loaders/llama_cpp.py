@@ -26,7 +26,8 @@ from llama_cpp._internals import LlamaBatch, LlamaContext, LlamaModel
 from modules.errors import ContextOverflow, InvalidRequest, ModelLoadError, QueueFull
 from modules.generation.params import GenerationParams
 from modules.loaders import OPTIONS, llama_cpp_check, llama_cpp_spec, precheck
-from modules.loaders.base import Backend, ModelMetadata, TokenEvent, TokenSink, deliver, drain
+from modules.loaders.base import Backend, TokenEvent, TokenSink, deliver, drain
+from modules.loaders.llama_cpp_meta import read_metadata
 from modules.loaders.llama_cpp_sampling import (
     SUPPORTED,
     NothingToSample,
@@ -87,13 +88,6 @@ def _best_slot(free: list[_Slot], prompt: list[int]) -> _Slot:
         return reused - (len(slot.tokens) - reused) / 2, -slot.last_used
 
     return max(free, key=value)
-
-
-def _file_type(description: str) -> str | None:
-    """The weights' type as llama.cpp names it ("Q4_1", "Q4_K - Medium", "BF16") from its model description
-    ("llama 256M Q4_1": architecture, size, then the file type)."""
-    parts = description.split(" ", 2)
-    return parts[2] if len(parts) == 3 else None
 
 
 class LlamaCppBackend(SideOps, Backend):
@@ -210,39 +204,11 @@ class LlamaCppBackend(SideOps, Backend):
             except ModelLoadError:
                 self.unload()
                 raise
-        self.metadata = self._read_metadata(path)
+        self.metadata = read_metadata(self._model, path, self._eog)
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="llama.cpp-scheduler", daemon=True)
         self._thread.start()
         return self
-
-    def _read_metadata(self, path: Path) -> ModelMetadata:
-        assert self._model is not None
-        raw = self._model.metadata()
-        model = self._model
-        bos, eos = model.token_bos(), model.token_eos()
-
-        def text(token: int) -> str:
-            return model.token_get_text(token) if 0 <= token < self._n_vocab else ""
-
-        return ModelMetadata(
-            name=raw.get("general.name", path.stem),
-            architecture=raw.get("general.architecture", ""),
-            context_length=model.n_ctx_train(),
-            chat_template=raw.get("tokenizer.chat_template"),
-            bos_token=text(bos),
-            eos_token=text(eos),
-            bos_token_id=bos if bos >= 0 else None,
-            eos_token_ids=list(self._eog),
-            add_bos_token=bool(model.add_bos_token()),
-            extra={
-                "description": model.desc(),
-                "quantization": _file_type(model.desc()),
-                "parameters": model.n_params(),
-                "size": model.size(),
-                "n_vocab": self._n_vocab,
-            },
-        )
 
     def unload(self) -> None:
         """Stop the scheduler, fail pending requests, free the context and the model."""
