@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from modules.errors import InvalidRequest, ModelLoadError, NotSupported, QueueFull
+from modules.errors import EngineUnavailable, InvalidRequest, ModelLoadError, NotSupported, QueueFull, TextgenError
 from modules.generation.params import GenerationParams
 from modules.loaders import OPTIONS
 from modules.loaders.base import Backend, ModelMetadata, QueuePlace, TokenEvent, TopLogprob
@@ -108,7 +108,9 @@ class RemoteBackend(Backend):
         """Talk to the engine at ``url``: the model ``wanted`` (else its first), its context, tokenizer, dialect."""
         url = url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {options['remote_api_key']}"} if options.get("remote_api_key") else {}
-        self.client = httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(30, read=600))
+        # no connection cap of httpx's (100 by default, then a PoolTimeout): generate() bounds the streams in flight
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.client = httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(30, read=600), limits=limits)
         try:
             listing = self.client.get("/v1/models")
             listing.raise_for_status()
@@ -136,6 +138,8 @@ class RemoteBackend(Backend):
         self.metadata.eos_token = info.get("eos_token") or ""
         self.metadata.add_bos_token = bool(info.get("add_bos_token", False))
         self._tokenizer = self._find_tokenizer()
+        if self._tokenizer == "vllm" and not self.metadata.bos_token:
+            self._learn_bos()
         if card.get("owned_by") == "tensorrt_llm":  # trtllm-serve's ModelCard
             self.dialect = "trtllm"
             self.supported_params = TRTLLM_PARAMS  # type: ignore[misc]  # the others are refused, not sent
@@ -155,6 +159,19 @@ class RemoteBackend(Backend):
             self._tokenizer or "estimated",
             self._context,
         )
+
+    def _learn_bos(self) -> None:
+        """Whether the engine's tokenizer starts a text with BOS (vLLM says it only by tokenizing): then
+        prompts are encoded with it, as the engine would, and sent as token ids."""
+        try:
+            plain, special = self.encode("a", add_special=False), self.encode("a", add_special=True)
+        except TextgenError:
+            return
+        self.metadata.add_bos_token = len(special) == len(plain) + 1 and special[1:] == plain
+        if self.metadata.add_bos_token:
+            self.metadata.bos_token_id = special[0]
+            with contextlib.suppress(TextgenError):
+                self.metadata.bos_token = self.decode(special[:1])
 
     def _vllm_version(self) -> tuple[int, ...]:
         """vLLM's version from its ``/version`` (e.g. ``0.32.0`` -> (0, 32, 0)); () when it does not say."""
@@ -223,34 +240,46 @@ class RemoteBackend(Backend):
             raise ModelLoadError("the remote engine has been disconnected")
         return self.client
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
+    def _post(self, path: str, body: dict[str, Any], key: str) -> Any:
+        """``body[key]`` of the engine's JSON answer to a POST; an engine that cannot be reached, answers an error
+        or something else than expected is an EngineUnavailable (503), a request it refuses an InvalidRequest."""
         client = self._require()
+        try:
+            response = client.post(path, json=body)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"the remote engine cannot be reached: {exc}") from exc
+        if response.status_code >= 400:
+            raise engine_error(response)
+        try:
+            return response.json()[key]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EngineUnavailable(f"the remote engine's {path} answered without {key!r}") from exc
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
         if self._tokenizer == "textgen":
-            return list(client.post("/v1/internal/encode", json={"text": text}).json()["tokens"])
+            return list(self._post("/v1/internal/encode", {"text": text}, "tokens"))
         if self._tokenizer == "llama-server":
-            return list(client.post("/tokenize", json={"content": text, "add_special": add_special}).json()["tokens"])
+            return list(self._post("/tokenize", {"content": text, "add_special": add_special}, "tokens"))
         if self._tokenizer == "vllm":
             body = {"model": self.model_id, "prompt": text, "add_special_tokens": add_special}
-            return list(client.post("/tokenize", json=body).json()["tokens"])
+            return list(self._post("/tokenize", body, "tokens"))
         if self._tokenizer == "llama-cpp-python":  # adds BOS where the model wants one, as its completions do
-            return list(client.post("/extras/tokenize", json={"input": text}).json()["tokens"])
+            return list(self._post("/extras/tokenize", {"input": text}, "tokens"))
         if self._tokenizer == "trtllm":
-            return list(client.post("/_internal/tokenize", json={"prompt": text}).json()["tokens"])
+            return list(self._post("/_internal/tokenize", {"prompt": text}, "tokens"))
+        self._require()
         return [0] * max(1, len(text) // 4)  # no tokenizer endpoint: an estimate, for counting only
 
     def decode(self, ids: list[int]) -> str:
-        client = self._require()
         if self._tokenizer == "textgen":
-            response = client.post("/v1/internal/decode", json={"tokens": ids})
-            if response.status_code == 400:
-                raise InvalidRequest(response.json().get("error", {}).get("message", "invalid tokens"), param="tokens")
-            return str(response.json()["text"])
+            return str(self._post("/v1/internal/decode", {"tokens": ids}, "text"))
         if self._tokenizer == "llama-server":
-            return str(client.post("/detokenize", json={"tokens": ids}).json()["content"])
+            return str(self._post("/detokenize", {"tokens": ids}, "content"))
         if self._tokenizer == "vllm":
-            return str(client.post("/detokenize", json={"model": self.model_id, "tokens": ids}).json()["prompt"])
+            return str(self._post("/detokenize", {"model": self.model_id, "tokens": ids}, "prompt"))
         if self._tokenizer == "llama-cpp-python":
-            return str(client.post("/extras/detokenize", json={"tokens": ids}).json()["text"])
+            return str(self._post("/extras/detokenize", {"tokens": ids}, "text"))
+        self._require()
         raise NotSupported("the remote engine offers no detokenizer")
 
     def token_piece(self, token_id: int, special: bool = False) -> bytes:
@@ -258,9 +287,12 @@ class RemoteBackend(Backend):
 
     def _body(self, prompt_ids: list[int], params: GenerationParams, extra: dict[str, Any]) -> dict[str, Any]:
         text = extra.get("prompt_text")
+        prompt: Any = text if isinstance(text, str) and (text or not prompt_ids) else prompt_ids
+        if self._tokenizer == "vllm" and prompt_ids:  # its own token ids: the prompt it reads is the one we counted
+            prompt = prompt_ids  # (text would get a BOS of its own on top: one token over the context at the end)
         body: dict[str, Any] = {
             "model": self.model_id,
-            "prompt": text if isinstance(text, str) and (text or not prompt_ids) else prompt_ids,
+            "prompt": prompt,
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -336,38 +368,41 @@ class RemoteBackend(Backend):
             place.release()
 
     def _events(self, client: httpx.Client, body: dict[str, Any], cancel: threading.Event) -> Iterator[TokenEvent]:
-        with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code >= 400:
-                response.read()
+        try:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise engine_error(response)
+                finish = "stop"
+                watcher = _HangUpOnCancel(response, cancel)
                 try:
-                    message = response.json().get("error", {}).get("message") or response.text
-                except ValueError:
-                    message = response.text
-                if response.status_code == 400:
-                    raise InvalidRequest(f"the remote engine refused the request: {message}")
-                raise RuntimeError(f"the remote engine answered {response.status_code}: {message}")
-            finish = "stop"
-            watcher = _HangUpOnCancel(response, cancel)
-            try:
-                for line in response.iter_lines():
-                    if cancel.is_set():
-                        break
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        finish = yield from self._chunk(line, finish)
-            except httpx.HTTPError:
-                if not cancel.is_set():
-                    raise
-            finally:
-                watcher.stop()
-            if cancel.is_set():
-                yield TokenEvent(-1, b"", finish_reason="cancelled")
-                return  # leaving the block closes the connection: the engine stops
-            yield TokenEvent(-1, b"", finish_reason=finish)
+                    for line in response.iter_lines():
+                        if cancel.is_set():
+                            break
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            finish = yield from self._chunk(line, finish)
+                except httpx.HTTPError as exc:
+                    if not cancel.is_set():
+                        raise EngineUnavailable(
+                            f"the reply was cut off: the engine's connection broke ({exc})"
+                        ) from exc
+                finally:
+                    watcher.stop()
+                if cancel.is_set():
+                    yield TokenEvent(-1, b"", finish_reason="cancelled")
+                    return  # leaving the block closes the connection: the engine stops
+                yield TokenEvent(-1, b"", finish_reason=finish)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"the remote engine cannot be reached: {exc}") from exc
 
     @staticmethod
     def _chunk(line: str, finish: str) -> Generator[TokenEvent, None, str]:
         """The token events of one ``data:`` line; returns the finish reason so far."""
-        events, finish = _chunk_events(json.loads(line[6:]), finish)
+        try:
+            chunk = json.loads(line[6:])
+        except ValueError as exc:
+            raise EngineUnavailable(f"the remote engine sent a line that is not JSON: {line[:200]!r}") from exc
+        events, finish = _chunk_events(chunk, finish)
         yield from events
         return finish
 
@@ -409,10 +444,28 @@ class _HangUpOnCancel:
             return
 
 
+def engine_error(response: httpx.Response) -> TextgenError:
+    """What an engine's error answer means for our client: a request it refuses (400, 422) is the client's
+    mistake, a full engine (429) says retry, anything else is the engine failing (503 here, never a 500)."""
+    try:
+        error = response.json().get("error")
+        message = (error.get("message") if isinstance(error, dict) else error) or response.text
+    except (ValueError, AttributeError):
+        message = response.text
+    message = str(message)[:500]
+    if response.status_code in (400, 422):
+        return InvalidRequest(f"the remote engine refused the request: {message}")
+    if response.status_code == 429:
+        return QueueFull()
+    return EngineUnavailable(f"the remote engine answered {response.status_code}: {message}")
+
+
 def _chunk_events(chunk: dict[str, Any], finish: str) -> tuple[list[TokenEvent], str]:
     """The token events of one streamed completion chunk, and the finish reason so far."""
     if "error" in chunk:
-        raise RuntimeError(f"the remote engine failed: {chunk['error']}")
+        error = chunk["error"]
+        message = error.get("message") if isinstance(error, dict) else error
+        raise EngineUnavailable(f"the remote engine failed during the reply: {message}")
     choices = chunk.get("choices") or []
     if not choices:
         return [], finish

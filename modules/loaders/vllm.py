@@ -232,11 +232,18 @@ class Engine:
                 proc.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 log.warning("vllm: the engine did not stop within %.0f s; killing it", STOP_GRACE_S)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        self.kill_group()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
         log.info("vllm: engine for %s stopped", self.name)
+
+    def kill_group(self) -> None:
+        """SIGKILL what is left of the engine's process group: when the API server ends, vLLM's engine-core
+        process may live on, holding its memory, and it does not watch its parent."""
+        proc = self.proc
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 class VllmBackend(RemoteBackend):
@@ -333,6 +340,7 @@ class VllmBackend(RemoteBackend):
             engine.proc.wait()
             if engine.stopping:
                 return
+            engine.kill_group()  # the rest of a dead engine goes now, whether or not it is restarted
             self.failure = engine.exit_text()
             log.error("vllm: %s", self.failure)
             if self.restarts_left <= 0:
@@ -384,7 +392,7 @@ class VllmBackend(RemoteBackend):
         generation = engine.generation if engine is not None else 0
         try:
             yield from super()._events(client, body, cancel)
-        except (httpx.HTTPError, RuntimeError) as exc:
+        except (httpx.HTTPError, EngineUnavailable) as exc:
             time.sleep(0.5)  # a connection cut by a dying engine: let the process end and the watcher see it
             if engine is not None and not engine.stopping and (engine.generation != generation or not engine.alive()):
                 raise EngineUnavailable(f"the reply was cut off: {self.failure or engine.exit_text()}") from exc
@@ -393,6 +401,10 @@ class VllmBackend(RemoteBackend):
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         self._available()
         return super().encode(text, add_special)
+
+    def decode(self, ids: list[int]) -> str:
+        self._available()
+        return super().decode(ids)
 
     def unload(self) -> None:
         """Close the connection and stop the engine."""

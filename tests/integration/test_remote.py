@@ -125,6 +125,10 @@ class SilentEngine:
 
         self.release = threading.Event()
         self.hung_up = threading.Event()
+        self.opened = 0  # completions whose headers were sent
+        self.fail_with: tuple[int, object] | None = None  # answer every POST with this status and body
+        self.error_chunk = False  # stream an error object instead of the silence
+        self._count = threading.Lock()
         engine = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -146,6 +150,9 @@ class SilentEngine:
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if engine.fail_with is not None:
+                    self._json(*engine.fail_with)
+                    return
                 if self.path != "/v1/completions":
                     self._json(404, {"error": {"message": "no such endpoint"}})
                     return
@@ -154,7 +161,14 @@ class SilentEngine:
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
                 self.wfile.flush()
-                engine.release.wait(10)
+                with engine._count:
+                    engine.opened += 1
+                if engine.error_chunk:
+                    line = b'data: {"error": {"message": "engine core died", "code": 500}}\n\n'
+                    self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(line), line))
+                    self.wfile.flush()
+                    return
+                engine.release.wait(30)
                 try:
                     line = b'data: {"choices": [{"text": "late", "finish_reason": "stop"}]}\n\n'
                     self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(line), line))
@@ -218,5 +232,77 @@ def test_a_stream_never_started_gives_its_place_back(silent_engine: SilentEngine
         del unstarted  # a client gone before its stream began
         gc.collect()
         backend.generate([1], params, threading.Event(), {"prompt_text": "Hi"})  # not QueueFull
+    finally:
+        backend.unload()
+
+
+def test_more_streams_than_an_http_pool_holds_all_reach_the_engine(silent_engine: SilentEngine) -> None:
+    """httpx's default pool holds 100 connections and makes the 101st wait, then fail (a 500): an engine that
+    batches must get every stream textgen admits."""
+    from modules.loaders.remote import RemoteBackend
+
+    backend = RemoteBackend.load(Path("silent"), {"remote_url": silent_engine.url, "parallel": 120})
+    results: list[list[str | None]] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            events = backend.generate([1], GenerationParams(max_new_tokens=5), threading.Event(), {"prompt_text": "Hi"})
+            results.append([e.finish_reason for e in events])
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(110)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while silent_engine.opened < 110 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert silent_engine.opened == 110, f"only {silent_engine.opened} of 110 streams reached the engine"
+        silent_engine.release.set()
+        for t in threads:
+            t.join(timeout=20)
+        assert not errors, errors[:3]
+        assert len(results) == 110 and all(r[-1] == "stop" for r in results)
+    finally:
+        silent_engine.release.set()
+        backend.unload()
+
+
+def test_an_engine_failing_gives_clear_503s_and_a_refusal_a_400(silent_engine: SilentEngine) -> None:
+    from modules.errors import EngineUnavailable, InvalidRequest
+    from modules.loaders.remote import RemoteBackend
+
+    backend = RemoteBackend.load(Path("silent"), {"remote_url": silent_engine.url})
+    params = GenerationParams(max_new_tokens=5)
+
+    def run() -> list[str | None]:
+        return [e.finish_reason for e in backend.generate([1], params, threading.Event(), {"prompt_text": "Hi"})]
+
+    try:
+        silent_engine.error_chunk = True  # an error object in the middle of the stream
+        with pytest.raises(EngineUnavailable, match="engine core died"):
+            run()
+        silent_engine.error_chunk = False
+        silent_engine.fail_with = (500, {"error": {"message": "CUDA out of memory"}})
+        with pytest.raises(EngineUnavailable, match="answered 500: CUDA out of memory"):
+            run()
+        silent_engine.fail_with = (422, {"error": {"message": "max_tokens is too large"}})
+        with pytest.raises(InvalidRequest, match="max_tokens is too large"):
+            run()
+        backend._tokenizer = "vllm"  # its /tokenize answers 500 too
+        silent_engine.fail_with = (500, {"error": {"message": "tokenizer crashed"}})
+        with pytest.raises(EngineUnavailable, match="tokenizer crashed"):
+            backend.encode("Hi")
+        with pytest.raises(EngineUnavailable, match="tokenizer crashed"):
+            backend.decode([1, 2])
+        silent_engine.fail_with = None
+        assert backend.client is not None
+        backend.client.base_url = httpx.URL("http://127.0.0.1:9")  # the engine is gone: nothing listens there
+        with pytest.raises(EngineUnavailable, match="cannot be reached"):
+            run()
+        with pytest.raises(EngineUnavailable, match="cannot be reached"):
+            backend.encode("Hi")
     finally:
         backend.unload()

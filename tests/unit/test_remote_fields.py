@@ -62,3 +62,28 @@ def test_a_chunk_with_token_ids_is_one_event_per_token_with_its_logprob() -> Non
     del chunk["choices"][0]["logprobs"]
     events, _ = _chunk_events(chunk, "length")
     assert [e.piece for e in events] == [b" Paris.", b""] and events[0].logprob is None  # the text on the first
+
+
+def test_a_vllm_prompt_is_sent_as_the_token_ids_counted_with_the_engines_bos() -> None:
+    """vLLM adds BOS to a text prompt on its own: sent as text, a prompt counted without it would be one token
+    longer at the engine than here, and a reply sized to the context's end would be refused."""
+    from modules.generation.pipeline import encode_prompt
+
+    def tokenizer(bos: bool):  # type: ignore[no-untyped-def]
+        backend = RemoteBackend()
+        backend.dialect, backend._tokenizer, backend.engine_version, backend.model_id = "vllm", "vllm", (0, 32), "m"
+        backend.encode = lambda text, add_special=True: ([1] if add_special and bos else []) + [ord(c) for c in text]  # type: ignore[method-assign]
+        backend.decode = lambda ids: "<s>" if ids == [1] else "".join(map(chr, ids))  # type: ignore[method-assign]
+        backend._learn_bos()
+        return backend
+
+    llama = tokenizer(bos=True)
+    assert llama.metadata.add_bos_token and llama.metadata.bos_token == "<s>" and llama.metadata.bos_token_id == 1
+    ids = encode_prompt(llama, "hi")
+    assert ids == [1, 104, 105]
+    assert llama._body(ids, GenerationParams(), {"prompt_text": "hi"})["prompt"] == [1, 104, 105]
+    assert encode_prompt(llama, "<s>hi") == [60, 115, 62, 104, 105]  # a template that wrote BOS gets no second one
+
+    smol = tokenizer(bos=False)
+    assert not smol.metadata.add_bos_token and encode_prompt(smol, "hi") == [104, 105]
+    assert smol._body([104, 105], GenerationParams(), {"prompt_text": "hi"})["prompt"] == [104, 105]
