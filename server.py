@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from modules import extensions, fileio, models, shared
+from modules import extensions, fileio, jobs, models, shared
 from modules.errors import TextgenError
 from modules.logging_setup import setup_logging
 from modules.settings import SettingsError, load_settings
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         uvicorn.Server(configs[0]).run(sockets=sockets)
     finally:
+        jobs.stop_process_jobs()  # training in a child process stops with a checkpoint, not killed mid-step
         models.unload_model()  # a model's own processes (a vLLM engine) end with the server
     return 0
 

@@ -255,6 +255,33 @@ def start_process(
     return job
 
 
+SHUTDOWN_WAIT_S = 90.0
+
+
+def stop_process_jobs(wait_s: float = SHUTDOWN_WAIT_S) -> None:
+    """At server shutdown: ask every job running in a child process to stop as its Cancel would (training then
+    saves a checkpoint that Resume goes on from) and wait up to ``wait_s`` for them; one still running then is
+    killed with the server. A second Ctrl+C stops the wait."""
+    with _lock:
+        running = [job for job in _jobs.values() if job.state == "running" and job.pid is not None]
+    if not running:
+        return
+    log.info(
+        "Stopping %s (up to %.0f s; Ctrl+C again to stop at once)",
+        ", ".join(f"the {job.kind} job {job.title!r}" for job in running),
+        wait_s,
+    )
+    for job in running:
+        job.cancel.set()
+    deadline = time.monotonic() + wait_s
+    try:
+        for job in running:
+            if not job.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("the %s job %s did not stop in time; it ends with the server", job.kind, job.id)
+    except KeyboardInterrupt:
+        log.warning("not waiting for the jobs any longer; they end with the server")
+
+
 def _hub_state() -> dict[str, Any]:
     """What a child needs of the server's state: its settings (paths, limits) and process-wide switches."""
     from modules import shared
@@ -331,6 +358,8 @@ def _child_main(conn: Any, where: str, args: Any, state: dict[str, Any]) -> None
     shared.init(state["settings"])
     module, _, name = where.partition(":")
     target = getattr(importlib.import_module(module), name)
+    # a terminal's Ctrl+C reaches the whole process group: the server decides (stop_process_jobs cancels us)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cancel = threading.Event()
     sending = threading.Lock()
 

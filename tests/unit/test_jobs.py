@@ -177,3 +177,30 @@ def test_a_start_with_the_same_key_joins_the_running_job() -> None:
     assert first.wait(5) and first.result == "org_model" and len(calls) == 1
     after = jobs.start("keyed-test", "org/model", lambda report, cancel: "again", key="org/model@main")
     assert after is not first and after.wait(5) and after.result == "again"  # a finished job is not joined
+
+
+def _until_cancelled(marker: str, report: jobs.Reporter, cancel: threading.Event) -> str:
+    """A child-process job that works until it is cancelled, then saves (as training writes its checkpoint)."""
+    report(message="working")
+    while not cancel.is_set():
+        time.sleep(0.05)
+    Path(marker).write_text("saved", encoding="utf-8")
+    raise jobs.Cancelled()
+
+
+def test_server_shutdown_lets_a_child_job_save_and_a_terminal_ctrl_c_does_not_kill_it(
+    hub: object, tmp_path: Path
+) -> None:
+    marker = tmp_path / "checkpoint"
+    job = jobs.start_process("test", "until cancelled", _until_cancelled, str(marker))
+    deadline = time.monotonic() + 60
+    while job.message != "working" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.message == "working" and job.pid is not None, job.to_dict()
+    os.kill(job.pid, signal.SIGINT)  # Ctrl+C in the server's terminal reaches the whole process group
+    time.sleep(1.0)
+    assert job.state == "running", job.to_dict()
+    jobs.stop_process_jobs(wait_s=60)  # what server.py does when it shuts down
+    assert job.state == "cancelled" and marker.read_text(encoding="utf-8") == "saved"
+    jobs.stop_process_jobs(wait_s=60)  # nothing left to stop: returns at once
+    assert "stop_process_jobs()" in (ROOT / "server.py").read_text(encoding="utf-8")
