@@ -28,6 +28,8 @@ class EvalArgs:
 
     model: str = ""
     """The base model: a Hugging Face folder (a path, or a name in the models folder); empty = the run's."""
+    fallback_model: str = ""
+    """The base when ``model`` is empty and the run recorded none (the Training tab's form model)."""
     lora: str = ""
     """The adapter: a name in loras/ (or a path to a PEFT adapter folder)."""
     dataset: str = ""
@@ -129,12 +131,16 @@ def evaluate(args: EvalArgs, report: Reporter, cancel: threading.Event) -> list[
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from modules import shared
-    from modules.paths import safe_child
+    from modules.paths import UnsafePath, safe_child
     from modules.training.args import PARAMETERS_FILE, saved_parameters
-    from modules.training.datasets import load_training_data, resolve_file
+    from modules.training.datasets import load_training_data, paths_allowed, resolve_file
     from modules.training.run import resolve_model
 
-    lora = Path(args.lora) if Path(args.lora).is_absolute() else safe_child(shared.loras_dir(), args.lora)
+    direct = Path(args.lora).expanduser()
+    try:  # a path only where paths are allowed (the CLI, a script); the UI and the API name an adapter in loras/
+        lora = direct if paths_allowed() and direct.is_absolute() else safe_child(shared.loras_dir(), args.lora)
+    except UnsafePath as exc:
+        raise InvalidRequest(f"invalid adapter name: {exc}", param="lora") from exc
     if not (lora / "adapter_config.json").is_file():
         raise InvalidRequest(f"{args.lora!r} is not a trained adapter (no adapter_config.json)", param="lora")
     if args.cutoff_len and args.cutoff_len < 8:
@@ -142,7 +148,7 @@ def evaluate(args: EvalArgs, report: Reporter, cancel: threading.Event) -> list[
     params: dict[str, Any] = {}
     if (lora / PARAMETERS_FILE).is_file():
         params = saved_parameters(lora, "lora", "")
-    model_path = resolve_model(args.model or params.get("model", ""))
+    model_path = resolve_model(args.model or params.get("model", "") or args.fallback_model)
     base = shared.user_data_dir() / "training"
     run_eval_file, run_split = str(params.get("eval_dataset") or ""), float(params.get("eval_split") or 0.0)
     if args.dataset:

@@ -358,7 +358,7 @@ def make_trainer(
                 if goal and metrics["loss"] <= goal:
                     counters.stopped = f"loss {metrics['loss']:.4f} reached stop_at_loss {goal}"
                     control.should_training_stop = True
-                    control.should_save = bool(run_args.save_steps)
+                    control.should_save = control.should_save or bool(run_args.save_steps)  # keep the last step's
             if "eval_loss" in logs:
                 metrics["eval_loss"] = float(logs["eval_loss"])
             if "loss" in metrics or "eval_loss" in metrics:

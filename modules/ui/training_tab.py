@@ -192,8 +192,9 @@ def build() -> None:
     def compare(name: str | None, model: str | None, eval_dataset: str | None) -> str:
         if not name:
             return "Choose an adapter."
-        try:  # the form's eval dataset, if one is chosen; else the run's own eval data
-            background.start_evaluation(EvalArgs(model=model or "", lora=name, dataset=eval_dataset or ""))
+        try:  # the run's own base (the form's model if it recorded none); the form's eval dataset, if one is chosen
+            args = EvalArgs(fallback_model=model or "", lora=name, dataset=eval_dataset or "")
+            background.start_evaluation(args)
         except (jobs.Busy, TextgenError) as exc:
             gr.Warning(str(exc))
             return str(exc)

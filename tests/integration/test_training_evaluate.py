@@ -120,3 +120,22 @@ def test_a_gpu_runs_adapter_is_measured_in_fp32_on_the_cpu(folders: Path, tiny_m
     with pytest.raises(InvalidRequest, match="needs a CUDA GPU") as refused:
         measure(EvalArgs(lora=run, precision="fp16"))
     assert refused.value.param == "precision"
+
+
+def test_the_adapter_is_named_in_loras_and_measured_on_its_own_base(folders: Path, tiny_models: Path) -> None:
+    from modules.training import datasets
+
+    run = a_run(tiny_models, "own-base", dataset="example-chat.jsonl", eval_split=0.25)
+    # the Training tab passes its form's model as the fallback: the run's recorded base wins
+    assert measure(EvalArgs(lora=run, fallback_model="no-such-model"))[0]["tokens"] > 0
+    bare = shared.loras_dir() / "bare"  # an adapter with no run recorded: the fallback is its base
+    shutil.copytree(tiny_models / "loras" / "lora-a", bare)
+    assert measure(EvalArgs(lora="bare", dataset="example-chat.jsonl", fallback_model="tiny-llama"))[0]["tokens"] > 0
+
+    outside = folders / "elsewhere"  # a path outside loras/: not for the UI or the API
+    shutil.copytree(shared.loras_dir() / run, outside)
+    with pytest.raises(InvalidRequest, match="invalid adapter name") as refused:
+        measure(EvalArgs(lora=str(outside)))
+    assert refused.value.param == "lora"
+    with datasets.allow_paths():  # the CLI and scripts may name one
+        assert measure(EvalArgs(lora=str(outside)))[0]["tokens"] > 0
