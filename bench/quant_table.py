@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.keep or Path(tempfile.mkdtemp(prefix="quant-table-"))
     report, close = jobs.tqdm_reporter("quant table", unit="type")
     try:
-        table_args = quant_table.TableArgs(args.source, folder, tuple(args.types))
+        table_args = quant_table.TableArgs(args.source, folder, tuple(args.types), overwrite=True)  # ours, or --keep
         rows = quant_table.build(table_args, report, threading.Event())
     finally:
         close()

@@ -4,7 +4,7 @@ The converters come from the llama-cpp-python sdist that setup compiles (so they
 ``make setup`` unpacks ``vendor/llama.cpp/{convert_hf_to_gguf.py,convert_lora_to_gguf.py,conversion,gguf-py}`` into
 :data:`TOOLS_DIR`. They run in a child process with their own ``gguf-py`` first on ``PYTHONPATH``, so they never
 clash with the ``gguf`` package textgen imports, and so a cancel can stop them at once. Nothing is cloned or
-downloaded. Output goes to ``NAME.partial`` and is renamed only when the converter succeeded.
+downloaded. Output goes to ``.NAME.partial`` and is renamed only when the converter succeeded.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ def tools_dir() -> Path:
 
 
 def partial_path(output: Path) -> Path:
-    """Where a file is written before it is complete (renamed to ``output`` at the end)."""
-    return output.with_name(output.name + ".partial")
+    """Where a file or folder is written before it is complete (renamed to ``output`` at the end): hidden, so no
+    listing shows a half-written model, and the same name every time, so a run killed before it could clean up
+    leaves nothing once the next one starts."""
+    return output.with_name(f".{output.name}.partial")
 
 
 def refuse_existing(output: Path, overwrite: bool) -> None:
@@ -83,9 +85,21 @@ def refuse_existing(output: Path, overwrite: bool) -> None:
         )
 
 
+def refuse_overlap(output: Path, **inputs: Path) -> None:
+    """An output may not be an input, lie inside one, or hold one (a replace would delete what it reads), even
+    with ``--overwrite``; ``inputs`` by their argument names (source, base, lora)."""
+    out = output.resolve()
+    for name, given in inputs.items():
+        path = Path(given).resolve()
+        if out == path or path in out.parents or out in path.parents:
+            raise InvalidRequest(
+                f"the output {output} is the {name} {given}, inside it or holds it; choose another output", "output"
+            )
+
+
 @contextlib.contextmanager
 def staged_folder(output: Path, cancel: threading.Event, overwrite: bool = False) -> Iterator[Path]:
-    """A folder to write ``output`` into (``OUTPUT.partial``, beside it); it takes the final name when the block
+    """A folder to write ``output`` into (``.OUTPUT.partial``, beside it); it takes the final name when the block
     ends without an error or a cancel, and is removed otherwise: nothing half-written ever has the final name. An
     existing ``output`` is refused unless ``overwrite``; when replaced, it is moved aside and deleted only after the
     new folder has its name (a failed rename puts it back)."""

@@ -13,7 +13,6 @@ import json
 import platform
 import shutil
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,8 +91,7 @@ def export(args: ExportArgs, report: jobs.Reporter, cancel: threading.Event) -> 
     validate(args)
     output = Path(args.output) if args.output else default_output(args)
     source = Path(args.source).resolve()
-    if output.resolve() == source or source in output.resolve().parents:
-        raise InvalidRequest(f"the output {output} is the source or inside it; choose another output", "output")
+    convert.refuse_overlap(output, source=source)
     convert.refuse_existing(output, args.overwrite)
     if args.keep_f16:
         convert.refuse_existing(_kept_f16(output, args.quant.upper()), args.overwrite)
@@ -125,7 +123,9 @@ def _gguf(args: ExportArgs, output: Path, report: jobs.Reporter, cancel: threadi
 
     source, quant = Path(args.source), args.quant.upper()
     output.parent.mkdir(parents=True, exist_ok=True)  # the intermediate F16 goes beside the output, never to /tmp
-    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    work = output.with_name(f".{output.name}.work")  # one name: a killed run's folder goes when the next starts
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
     try:
         hf_source = source if source.is_dir() else None
         staged = work / output.name
@@ -158,6 +158,8 @@ def _gguf(args: ExportArgs, output: Path, report: jobs.Reporter, cancel: threadi
         staged.replace(output)
         if report_file.is_file():
             report_file.replace(output.with_name(report_file.name))
+        else:  # replaced without a check: the old file's report must not describe the new one
+            output.with_name(report_file.name).unlink(missing_ok=True)
         if args.keep_f16 and f16.parent == work:
             kept = _kept_f16(output, quant)
             f16.replace(kept)

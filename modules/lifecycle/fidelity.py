@@ -109,10 +109,13 @@ def load_gguf(path: Path, n_ctx: int = 1024) -> Any:
     return LlamaCppBackend.load(Path(path), {"n_ctx": n_ctx, "parallel": 1})
 
 
-def _gguf_greedy(backend: Any, ids: list[int], n: int) -> tuple[list[int], float]:
+def _gguf_greedy(backend: Any, ids: list[int], n: int, banned: list[int] | None = None) -> tuple[list[int], float]:
     from modules.generation.params import GenerationParams
 
-    params = GenerationParams(temperature=0, max_new_tokens=n, ban_eos=True, seed=0)
+    bias = {
+        token: -100.0 for token in banned or []
+    }  # (-100 bans) the HF side's end tokens too: both sides ban the same set
+    params = GenerationParams(temperature=0, max_new_tokens=n, ban_eos=True, seed=0, logit_bias=bias)
     start = time.perf_counter()
     out = [e.token_id for e in backend.generate(ids, params, threading.Event()) if e.token_id >= 0]
     return out, len(out) / max(time.perf_counter() - start, 1e-9)
@@ -170,13 +173,14 @@ def greedy_agreement(
     conversion bug: those are compared from llama.cpp's split)."""
     model, tokenizer = hf
     eos = model.generation_config.eos_token_id
-    banned = sorted({*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id} - {None})
+    gguf_eog = list(getattr(backend.metadata, "eos_token_ids", None) or [])  # llama.cpp's end-of-generation set
+    banned = sorted({*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id, *gguf_eog} - {None})
     results, speeds, mismatched = [], [], []
     for prompt in prompts:
         ids = backend.encode(prompt, add_special=False)
         if list(tokenizer(prompt, add_special_tokens=False).input_ids) != list(ids):
             mismatched.append(prompt)
-        got, speed = _gguf_greedy(backend, ids, n)
+        got, speed = _gguf_greedy(backend, ids, n, banned)
         speeds.append(speed)
         want, rows = _hf_greedy(model, ids, n, banned)
         agreed = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
@@ -195,10 +199,17 @@ def verdict(report: dict[str, Any], quant: str) -> str:
     problems = []
     if report.get("tokenizer_mismatch"):
         problems.append(f"the GGUF's tokenizer splits {len(report['tokenizer_mismatch'])} prompt(s) differently")
-    real = [a for a in report.get("agreement") or [] if a.get("margin") is not None and a["margin"] > REAL_MARGIN]
+    agreement = report.get("agreement") or []
+    # a parting where the HF model was sure, or a GGUF reply that ended early (no token to compare: not judged
+    # by a margin, but not an agreement either)
+    real = [a for a in agreement if (a.get("margin") is not None and a["margin"] > REAL_MARGIN)
+            or (a.get("margin") is None and a.get("agreed", 0) < a.get("total", 0))]  # fmt: skip
     allowed = 0 if quant.upper() in LOSSLESS else len(report.get("agreement") or []) // 2
     if len(real) > allowed:
-        where = ", ".join(f"token {a['agreed']} (margin {a['margin']:.2f})" for a in real)
+        where = ", ".join(
+            f"token {a['agreed']} " + (f"(margin {a['margin']:.2f})" if a.get("margin") is not None else "(it ended)")
+            for a in real
+        )
         problems.append(
             f"it parts from the HF model where that model was sure on {len(real)} of "
             f"{len(report['agreement'])} prompts: {where}"

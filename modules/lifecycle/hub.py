@@ -87,8 +87,8 @@ class DownloadArgs:
     """For a GGUF repo: the quantization to take (default Q4_K_M, else the nearest)."""
     output: Path | None = None
     """Folder to put the model in instead of the models folder (or the LoRA folder)."""
-    token: str | None = None
-    """Hub token; default: HF_TOKEN or the stored login."""
+    token: str | None = field(default=None, repr=False)
+    """Hub token; default: HF_TOKEN or the stored login. Never printed."""
     endpoint: str | None = None
     """Hub address; default: HF_ENDPOINT or https://huggingface.co."""
 

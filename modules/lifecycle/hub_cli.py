@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--specific-file", metavar="F", help="only this file of the repo")
     parser.add_argument("--quant", metavar="Q", help="GGUF quantization (default Q4_K_M, else the nearest)")
     parser.add_argument("--output", type=Path, metavar="DIR", help="folder instead of models/ (or loras/)")
-    parser.add_argument("--token", help="Hub token (default: HF_TOKEN or `hf auth login`)")
+    parser.add_argument("--token", help=argparse.SUPPRESS)  # refused: `ps` would show it (HF_TOKEN or a login)
     parser.add_argument("--list", action="store_true", help="show the files, quantizations and target; fetch nothing")
     parser.add_argument("--model-dir", type=Path, help="the models folder (default: models)")
     parser.add_argument("--lora-dir", type=Path, help="the LoRA folder (default: loras)")
@@ -32,6 +32,10 @@ def run_cli(args: argparse.Namespace) -> int:
     """Run a download in the foreground with a tqdm bar; Ctrl+C keeps what arrived for the next run."""
     from modules.settings import Settings
 
+    if getattr(args, "token", None):
+        print("error: a token is not taken on the command line, where `ps` shows it to every user of the machine: "
+              "set HF_TOKEN or run `hf auth login`", file=sys.stderr)  # fmt: skip
+        return 2
     overrides = {k: getattr(args, k) for k in ("model_dir", "lora_dir") if getattr(args, k, None)}
     if overrides:
         shared.settings = Settings(**{**shared.settings.model_dump(), **overrides})
@@ -43,7 +47,6 @@ def run_cli(args: argparse.Namespace) -> int:
         specific_file=args.specific_file,
         quant=args.quant,
         output=args.output,
-        token=args.token,
     )
     plan = prepare(request)
     for note in plan.selection.notes:

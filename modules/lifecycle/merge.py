@@ -3,7 +3,7 @@
 A base that is quantized with bitsandbytes (4 or 8 bit, on disk or as a loaded model) is dequantized in place
 first; it is never reloaded from anywhere else, so what is merged is exactly the base the LoRA was trained on.
 The merged folder also records the adapter's training parameters (``textgen_merge.json``) for the model card.
-The folder is written as ``DIR.partial`` and renamed when complete.
+The folder is written as ``.DIR.partial`` and renamed when complete.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from modules import jobs
 from modules.errors import InvalidRequest, TextgenError
-from modules.lifecycle.convert import refuse_existing, staged_folder
+from modules.lifecycle.convert import refuse_existing, refuse_overlap, staged_folder
 
 MERGE_INFO = "textgen_merge.json"
 TOKENIZER_FILES = ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -93,8 +93,7 @@ def merge(args: MergeArgs, report: jobs.Reporter, cancel: threading.Event) -> Pa
         raise InvalidRequest(f"{base} is not a Hugging Face model folder (no config.json)", "base")
     if not (lora / "adapter_config.json").is_file():
         raise InvalidRequest(f"{lora} is not a PEFT adapter folder (no adapter_config.json)", "lora")
-    if output.resolve() in (base.resolve(), lora.resolve()):
-        raise InvalidRequest(f"the output {output} is the base or the adapter; choose another folder", "output")
+    refuse_overlap(output, base=base, lora=lora)
     refuse_existing(output, args.overwrite)
     dtype = _dtype(args.dtype)
     report(done=0, total=4, message="loading the base model")

@@ -33,8 +33,15 @@ class CardArgs:
     tags: list[str] = field(default_factory=list)
 
 
+# what a training run keeps beside its adapter for this machine (resume, copy-from, the log): local paths,
+# optimizer state; a push of the adapter leaves them here
+RUN_RECORDS = ("training_parameters.json", "training_log.json", "checkpoints")
+
+
 def upload_files(folder: Path) -> list[str]:
-    """The files a push sends: everything in the folder but hidden, partial and fidelity-report files."""
+    """The files a push sends: everything in the folder but hidden, partial and fidelity-report files, and for a
+    trained adapter its run's records and checkpoints."""
+    adapter = (Path(folder) / "adapter_config.json").is_file()
     names = []
     for path in sorted(Path(folder).rglob("*")):
         rel = path.relative_to(folder).as_posix()
@@ -42,8 +49,25 @@ def upload_files(folder: Path) -> list[str]:
             continue
         if rel.endswith(".partial") or "/.partial" in rel or rel.endswith(".fidelity.json"):
             continue
+        top = rel.split("/")[0]
+        if adapter and (top in RUN_RECORDS or top.startswith("checkpoint-")):
+            continue
         names.append(rel)
     return names
+
+
+def public_bytes(path: Path) -> bytes:
+    """What a push sends of a file: a PEFT adapter_config.json with its base as a name or a Hub id (PEFT records
+    the local folder it was trained on), every other file as it is."""
+    data = path.read_bytes()
+    if path.name != "adapter_config.json":
+        return data
+    config = _read_json(path)
+    base = config.get("base_model_name_or_path")
+    if not isinstance(base, str) or public_name(base) == base:
+        return data
+    config["base_model_name_or_path"] = public_name(base)
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

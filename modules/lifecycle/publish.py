@@ -2,7 +2,8 @@
 
 ``huggingface_hub`` does the work: ``create_repo(private=...)`` when the repo does not exist, then one
 ``create_commit`` with exactly the files a push sends: a file given (a GGUF) alone, or a folder's own files (an
-export or a merge: weights, config, tokenizer), never the folder around a file, and the model card. The card is
+export or a merge: weights, config, tokenizer; an adapter without its run's records and checkpoints, its base
+named in adapter_config.json rather than a local path), never the folder around a file, and the model card. The card is
 sent from memory: nothing is written into the user's folder, and a README.md the folder already has is the card
 (it is never replaced). No token is an error before anything is sent. An existing repo keeps its visibility unless
 ``private`` is given, and then it is set to what was asked. The token is never printed (not in ``repr``).
@@ -99,6 +100,7 @@ def push(args: PushArgs, report: jobs.Reporter, cancel: threading.Event) -> dict
 
         operations = [
             CommitOperationAdd(path_in_repo=name, path_or_fileobj=card.encode() if name == "README.md" and card
+                               else model_card.public_bytes(folder / name) if name == "adapter_config.json"
                                else str(folder / name))
             for name in files
         ]  # fmt: skip

@@ -25,6 +25,7 @@ class TableArgs:
     source: Path  # an HF folder
     folder: Path  # where NAME.TYPE.gguf files are written (kept, so the user can pick one)
     types: tuple[str, ...] = DEFAULT_TYPES
+    overwrite: bool = False  # replace an existing folder (refused otherwise)
 
 
 @dataclass
@@ -46,17 +47,27 @@ def build(args: TableArgs, report: jobs.Reporter, cancel: threading.Event) -> li
     """Export every type in ``args.types`` (F16 first) and measure it; returns the rows as dicts."""
     for quant in args.types:
         quantize.check_quant(quant, None)
-    source, folder = Path(args.source), Path(args.folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    source, final = Path(args.source), Path(args.folder)
+    with convert.staged_folder(final, cancel, args.overwrite) as folder:  # the folder takes its name when complete
+        folder.mkdir()
+        rows = _build(source, folder, args.types, report, cancel)
+    for row in rows:
+        row.file = str(final / Path(row.file).name)
+    return [asdict(r) for r in rows]
+
+
+def _build(
+    source: Path, folder: Path, types: tuple[str, ...], report: jobs.Reporter, cancel: threading.Event
+) -> list[Row]:
     f16 = folder / f"{source.name}.F16.gguf"
-    steps = len(args.types) + 1
+    steps = len(types) + 1
     report(done=0, total=steps, message="F16 with llama.cpp's converter")
     convert.convert_hf_to_gguf(convert.ConvertArgs(source, f16), jobs_silent, cancel)
     jobs.check(cancel)
     reference = fidelity.reference(f16)
     rows: list[Row] = []
     base_ppl = fidelity.perplexity(reference[1], reference[0])
-    for i, quant in enumerate(args.types, start=1):
+    for i, quant in enumerate(types, start=1):
         report(done=i, total=steps, message=f"{quant}: quantize and measure")
         path = f16
         if quant.upper() != "F16":
@@ -71,7 +82,7 @@ def build(args: TableArgs, report: jobs.Reporter, cancel: threading.Event) -> li
             top1_same=measured.top1_same or 0.0, tokens_per_s=measured.tokens_per_s or 0.0,
         ))  # fmt: skip
     report(done=steps, total=steps, message="done")
-    return [asdict(r) for r in rows]
+    return rows
 
 
 def jobs_silent(*args: Any, **kwargs: Any) -> None:

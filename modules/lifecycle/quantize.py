@@ -3,7 +3,7 @@
 Types that need an importance matrix (IQ1_*, IQ2_XXS/XS/S, IQ3_XXS, Q2_K_S) are refused with that reason unless
 an imatrix GGUF (from ``llama-imatrix``) is given. Bits per weight are measured from the written file, since
 llama.cpp picks other types for tensors whose rows do not fit a type's block (SmolLM2's 576 is not a multiple
-of 256, so most of its K-quant tensors fall back). The file is written as ``NAME.partial`` and renamed at the end.
+of 256, so most of its K-quant tensors fall back). The file is written as ``.NAME.partial`` and renamed at the end.
 """
 
 from __future__ import annotations

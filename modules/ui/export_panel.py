@@ -159,6 +159,7 @@ def build() -> None:
             with gr.Row():
                 table_source = gr.Dropdown(_sources(), label="Model (HF folder)", elem_id="table-source", scale=2)
                 types = gr.CheckboxGroup(list(GGUF_TYPES), value=list(DEFAULT_TYPES), label="Types", scale=3)
+                table_replace = gr.Checkbox(False, label="Replace NAME-quants if it exists", elem_id="table-replace")
             table_btn = admin_control(gr.Button("Build the table", variant="primary", elem_id="table-start"))
             table = gr.Dataframe(table_frame(None), interactive=False, elem_id="quant-table")
             plot = gr.ScatterPlot(table_frame(None), x="size_mb", y="perplexity", color="quant",
@@ -209,14 +210,17 @@ def build() -> None:
             return refused(exc)
         return _start(f"merge {lora} into {base_}", merge, args)
 
-    def start_table(name: str, chosen: list[str]) -> str:
+    def start_table(name: str, chosen: list[str], replace_: bool) -> str:
+        from modules.lifecycle.convert import refuse_existing
         from modules.lifecycle.quant_table import TableArgs, build
 
         try:
             source_path = _path(name, "a model")
+            args = TableArgs(source_path, shared.models_dir() / f"{name}-quants", tuple(chosen or DEFAULT_TYPES),
+                             overwrite=bool(replace_))  # fmt: skip
+            refuse_existing(args.folder, args.overwrite)  # before the job starts
         except TextgenError as exc:
             return refused(exc)
-        args = TableArgs(source_path, shared.models_dir() / f"{name}-quants", tuple(chosen or DEFAULT_TYPES))
         return _start(f"quant table {name}", build, args)
 
     def push_args(name: str, repo: str, private: bool, license_: str, base_: str) -> Any:
@@ -272,7 +276,8 @@ def build() -> None:
     export_btn.click(admin_only("export models")(start_export), [source, fmt, quant, output, base, check, replace], status,
                      queue=False)  # fmt: skip
     merge_btn.click(admin_only("merge LoRAs")(start_merge), [merge_base, merge_lora, merge_out], status, queue=False)
-    table_btn.click(admin_only("quantize models")(start_table), [table_source, types], status, queue=False)
+    table_btn.click(admin_only("quantize models")(start_table), [table_source, types, table_replace], status,
+                    queue=False)  # fmt: skip
     cancel_btn.click(admin_only("cancel an export")(cancel), None, status, queue=False)
     push_inputs = [push_source, push_repo, push_private, push_license, push_base]
     card_btn.click(preview_card, push_inputs, card_text, queue=False)

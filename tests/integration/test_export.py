@@ -167,3 +167,4 @@ def test_the_model_tabs_export_runs_in_a_child_process_a_sigkill_ends_alone(tiny
     again = export_panel.start_job("export tiny-llama Q8_0", export, args)
     assert again.wait(300) and again.state == "done", again.error
     assert Path(again.result.output) == out and quantize.tensor_types(out).get("Q8_0", 0) > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # the killed run's work folder went too

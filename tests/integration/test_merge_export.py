@@ -116,9 +116,11 @@ def test_merge_equals_the_adapter_applied(tiny_models: Path, tmp_path: Path) -> 
     assert not torch.allclose(got, plain, atol=1e-2)  # the adapter really changed the model
     with pytest.raises(InvalidRequest, match="exists"):
         merge(MergeArgs(base, lora, merged), noop, threading.Event())
-    with pytest.raises(InvalidRequest, match="the base or the adapter"):  # not even when asked to replace
+    with pytest.raises(InvalidRequest, match="is the base"):  # not even when asked to replace
         merge(MergeArgs(base, lora, base, overwrite=True), noop, threading.Event())
-    assert (base / "config.json").is_file()
+    with pytest.raises(InvalidRequest, match=r"is the lora .*holds it"):  # a replace would delete the adapter
+        merge(MergeArgs(base, lora, lora.parent, overwrite=True), noop, threading.Event())
+    assert (base / "config.json").is_file() and (lora / "adapter_config.json").is_file()
 
 
 def test_lora_becomes_a_llama_cpp_adapter(tiny_models: Path, tiny_base_gguf: Path, tmp_path: Path) -> None:

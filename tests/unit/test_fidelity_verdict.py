@@ -23,6 +23,11 @@ def test_a_near_tie_passes_a_sure_parting_does_not() -> None:
     assert "3 of 5" in fidelity.verdict({"agreement": agreement(2.3, 2.1, 1.0, None, None)}, "Q4_K_M")
 
 
+def test_a_gguf_reply_that_ended_early_is_not_an_agreement() -> None:
+    early = [{"prompt": "p", "agreed": 7, "total": 32, "margin": None}]  # nothing to compare after token 7
+    assert "token 7 (it ended)" in fidelity.verdict({"agreement": early + agreement(None)}, "F16")
+
+
 def test_a_tokenizer_that_splits_otherwise_is_refused() -> None:
     report = {"agreement": agreement(None, None), "tokenizer_mismatch": ["List three fruits."]}
     assert "tokenizer splits 1 prompt(s) differently" in fidelity.verdict(report, "Q8_0")

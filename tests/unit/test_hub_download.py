@@ -358,6 +358,12 @@ def test_cli_lists_downloads_and_fails_in_one_line(lifecycle: Path, fake_hub: Fa
     )  # fmt: skip
     assert missing.returncode == 1 and missing.stderr.startswith("error: org/nope is not on the Hub")
     assert "Traceback" not in missing.stderr
+    flagged = subprocess.run(
+        [sys.executable, "download_model.py", "org/tiny-GGUF", "--list", "--token", "hf_secret"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert flagged.returncode == 2 and "HF_TOKEN" in flagged.stderr and "hf_secret" not in flagged.stderr
+    assert "hf_secret" not in repr(hub.DownloadArgs("org/x", token="hf_secret"))
 
 
 def test_inspect_a_repo_reads_headers_not_weights(lifecycle: Path, fake_hub: FakeHub) -> None:

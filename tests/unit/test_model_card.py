@@ -185,6 +185,8 @@ def test_an_export_named_like_an_existing_model_is_refused_and_the_model_kept(tm
             export(args, noop, threading.Event())
     with pytest.raises(InvalidRequest, match="inside it"):
         export(ExportArgs(source, "safetensors", output=source / "out", overwrite=True), noop, threading.Event())
+    with pytest.raises(InvalidRequest, match="holds it"):  # replacing models/ would delete the source in it
+        export(ExportArgs(source, "safetensors", output=source.parent, overwrite=True), noop, threading.Event())
     assert (model / "model.safetensors").read_bytes() == b"weights" and gguf.read_bytes() == b"GGUF old"
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["My-Model", "My-Model.Q4_K_M.gguf"]
 
@@ -225,6 +227,18 @@ def test_a_pushed_gguf_goes_alone_and_no_path_or_token_leaves(tmp_path: Path, pu
     (merged / "README.md").write_text("# my own card")
     push(PushArgs(merged, "me/merged", token="hf_me", endpoint=push_hub.url), lambda *a, **k: None, threading.Event())
     assert pushed["README.md"] == b"# my own card" and (merged / "README.md").read_text() == "# my own card"
+    # a trained adapter goes without its run's records and checkpoints, its base named, not a path of this machine
+    (lora / "adapter_model.safetensors").write_bytes(b"lora weights")
+    (lora / "training_log.json").write_text(json.dumps({"log": [], "dataset": str(tmp_path / "data")}))
+    (lora / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (lora / "checkpoints" / "checkpoint-2" / "optimizer.pt").write_bytes(b"optimizer state")
+    push(PushArgs(lora, "me/adapter", token="hf_me", endpoint=push_hub.url), lambda *a, **k: None, threading.Event())
+    pushed = push_hub.repos["me/adapter"].files
+    assert sorted(pushed) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    for name, data in pushed.items():
+        assert str(tmp_path).encode() not in data and b"hf_me" not in data, name
+    assert json.loads(pushed["adapter_config.json"]) == {"base_model_name_or_path": "Base", "r": 8}
+    assert str(models / "Base") in (lora / "adapter_config.json").read_text()  # the local file is unchanged
 
 
 def test_the_hub_reads_base_relation_license_and_tags_and_no_path(tmp_path: Path) -> None:
