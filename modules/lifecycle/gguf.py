@@ -1,4 +1,4 @@
-"""A GGUF model's metadata as the loaders see it (from its header, via ``modules.formats.gguf``), and requantize."""
+"""A GGUF model's metadata as the loaders see it (from its header, via ``modules.formats.gguf``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from modules.formats.gguf import GGUFError, data_end, read_header
 from modules.loaders.base import ModelMetadata
 
-__all__ = ["SAMPLING_KEYS", "GGUFError", "read_metadata", "requantize"]
+__all__ = ["SAMPLING_KEYS", "GGUFError", "read_metadata"]
 
 # llama.cpp's recommended-sampling keys (general.sampling.*) -> GenerationParams fields
 SAMPLING_KEYS = {
@@ -64,21 +64,3 @@ def read_metadata(path: Path) -> ModelMetadata:
         if f"general.sampling.{key}" in meta
     }
     return result
-
-
-def requantize(source: Path, target: Path, ftype: int, allow_requantize: bool = True) -> Path:
-    """Write ``source`` in another llama.cpp file type (1 = F16, 7 = Q8_0, ...) with llama_model_quantize."""
-    import ctypes
-
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.allow_requantize = allow_requantize
-    tmp = target.with_name(f".{target.name}.writing")
-    code = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
-    if code != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        raise GGUFError(f"llama.cpp could not write {target.name} (code {code})")
-    tmp.replace(target)
-    return target

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from modules.generation.params import GenerationParams
-from modules.lifecycle.gguf import read_metadata, requantize
+from modules.lifecycle.gguf import read_metadata
+from modules.lifecycle.quantize import QuantizeArgs, quantize
 from modules.loaders.llama_cpp import LlamaCppBackend
 from modules.loaders.transformers import TransformersBackend
 from tests.conftest import default_model_path
@@ -25,7 +26,8 @@ TOKENS = 32
 @pytest.fixture(scope="module")
 def f16_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("f16")
-    path = requantize(default_model_path(), folder / "SmolLM2-135M-Instruct.F16.gguf", ftype=1)
+    args = QuantizeArgs(default_model_path(), folder / "SmolLM2-135M-Instruct.F16.gguf", "F16")
+    path = quantize(args, lambda *a, **k: None, threading.Event())
     assert read_metadata(path).extra["file_type"] == 1
     return path
 
