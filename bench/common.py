@@ -108,7 +108,9 @@ class StreamResult:
         return self.first_token - self.started
 
 
-def stream_completion(url: str, body: dict[str, Any], timeout: float = 300) -> StreamResult:
+def stream_completion(
+    url: str, body: dict[str, Any], timeout: float = 300, headers: dict[str, str] | None = None
+) -> StreamResult:
     """POST a streaming /v1/completions request and count the tokens: the usage record's count when the server
     sends one (a chunk may carry several tokens), else the chunks that carry text."""
     started = time.perf_counter()
@@ -118,7 +120,9 @@ def stream_completion(url: str, body: dict[str, Any], timeout: float = 300) -> S
     text: list[str] = []
     times: list[float] = []
     chars: list[int] = []
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout) as response:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout, headers=headers
+    ) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

@@ -75,7 +75,7 @@ def single_stream(rounds: int = 7) -> dict[str, Any]:
     }
 
 
-def _concurrent(url: str, clients: int, usage: bool = True) -> dict[str, float]:
+def _concurrent(url: str, clients: int, usage: bool = True, headers: dict[str, str] | None = None) -> dict[str, float]:
     results: list[StreamResult] = []
     lock = threading.Lock()
 
@@ -88,11 +88,11 @@ def _concurrent(url: str, clients: int, usage: bool = True) -> dict[str, float]:
             "logit_bias": EOG_BIAS,
             **({"stream_options": {"include_usage": True}} if usage else {}),
         }
-        result = stream_completion(url, body)
+        result = stream_completion(url, body, headers=headers)
         with lock:
             results.append(result)
 
-    stream_completion(url, {"prompt": PROMPT, "max_tokens": 4})  # warm-up
+    stream_completion(url, {"prompt": PROMPT, "max_tokens": 4}, headers=headers)  # warm-up
     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()

@@ -20,11 +20,13 @@ HF_MODEL = "SmolLM2-135M-Instruct"
 ROUNDS = 3
 
 
-def engine_url(server: Server) -> str:
+def engine_url(server: Server) -> tuple[str, dict[str, str]]:
+    """The engine textgen started, and the headers its /v1 routes ask for (its key is in its environment)."""
     for child in psutil.Process(server.proc.pid).children(recursive=True):
         cmd = child.cmdline()
         if "vllm.entrypoints.openai.api_server" in " ".join(cmd):
-            return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+            key = child.environ().get("VLLM_API_KEY", "")
+            return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", {"Authorization": f"Bearer {key}"}
     raise RuntimeError("textgen started no vLLM engine")
 
 
@@ -39,12 +41,13 @@ def run(clients: int = 8) -> dict[str, Any]:
     direct: list[dict[str, float]] = []
     with textgen("--loader", "vllm", "--model", HF_MODEL, "--n-ctx", "2048", "--parallel", str(clients),
                  timeout=900) as server:  # fmt: skip
-        url = engine_url(server)
-        httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 8}, timeout=120)  # warm-up
+        url, key = engine_url(server)
+        body = {"prompt": "Hello", "max_tokens": 8}
+        httpx.post(url + "/v1/completions", json=body, headers=key, timeout=120).raise_for_status()  # warm-up
         for n in range(ROUNDS):  # alternate, each side first in turn, to tame this machine's noise
-            pair = [(direct, url), (ours, server.url)]
-            for runs, where in pair if n % 2 == 0 else pair[::-1]:
-                runs.append(_concurrent(where, clients))
+            pair = [(direct, url, key), (ours, server.url, None)]
+            for runs, where, headers in pair if n % 2 == 0 else pair[::-1]:
+                runs.append(_concurrent(where, clients, headers=headers))
     with textgen("--threads", str(THREADS), "--parallel", str(clients)) as server:
         llama = _concurrent(server.url, clients)
     result = {

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import queue
+import secrets
 import shlex
 import signal
 import socket
@@ -128,8 +129,9 @@ def kv_cache_bytes(folder: Path, n_ctx: int, parallel: int) -> int:
 class Engine:
     """One vLLM api_server child process: started, watched, stopped."""
 
-    def __init__(self, command: list[str], env: dict[str, str], port: int, name: str) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], port: int, name: str, api_key: str = "") -> None:
         self.command, self.env, self.port, self.name = command, env, port, name
+        self.api_key = api_key  # what the engine's /v1 routes ask for (textgen's own key and admin rules are ours)
         self.url = f"http://127.0.0.1:{port}"
         self.lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
         self.proc: subprocess.Popen[str] | None = None
@@ -297,7 +299,7 @@ class VllmBackend(RemoteBackend):
         self.engine.start()
         try:
             self.engine.wait_ready(float(options.get("vllm_start_timeout") or 900), progress)
-            self.connect(self.engine.url, path.name, options)
+            self.connect(self.engine.url, path.name, {**options, "remote_api_key": self.engine.api_key})
         except BaseException:
             self.engine.stop()
             raise
@@ -328,8 +330,14 @@ class VllmBackend(RemoteBackend):
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(float(kv_gb))))
             command += ["--dtype", "bfloat16"]
-        command += shlex.split(str(options.get("vllm_args") or ""))
-        return Engine(command, env, port, path.name)
+        extra = shlex.split(str(options.get("vllm_args") or ""))
+        command += extra
+        # a key of its own, in its environment (not on argv, which every user of the machine can read): another
+        # local user cannot use the engine's /v1 routes past textgen's API key and admin rules
+        given = extra[extra.index("--api-key") + 1] if "--api-key" in extra[:-1] else ""
+        key = given or secrets.token_urlsafe(24)
+        env["VLLM_API_KEY"] = key
+        return Engine(command, env, port, path.name, key)
 
     def _watch(self) -> None:
         """Wait for the engine to end; unless we stopped it, report and start it again while restarts are left."""

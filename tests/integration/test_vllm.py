@@ -107,6 +107,10 @@ def test_the_engine_serves_chats_with_its_own_context(server: LiveServer) -> Non
     assert info["loader"] == "vllm" and info["context_length"] == 1536  # the engine's, not --n-ctx
     assert re.search(r"vllm: starting SmolLM2-135M-Instruct, \d+ s", server.log())  # the start's progress
     assert "im_start" in (info["chat_template"] or "")  # the template of the model folder, prompts built here
+    # the engine's /v1 routes ask for its own key (in its environment, not on argv): no way around textgen's API
+    assert "--api-key" not in engine_process(server).cmdline()
+    direct = httpx.post(engine_url(server) + "/v1/completions", json={"model": HF_MODEL, "prompt": "Hi"}, timeout=30)
+    assert direct.status_code == 401, direct.text
     response = chat(server, temperature=0)
     assert response.status_code == 200, response.text
     data = response.json()
