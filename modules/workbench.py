@@ -229,8 +229,9 @@ class Workbench:
         self.last_lora = shared.loras_dir() / name
         return summary
 
-    def merge(self, lora: str | Path | None = None, output: str | Path | None = None) -> Path:
-        """Merge ``lora`` (default: the last fine-tune) into this model in 16 bit; returns the merged folder."""
+    def merge(self, lora: str | Path | None = None, output: str | Path | None = None, overwrite: bool = False) -> Path:
+        """Merge ``lora`` (default: the last fine-tune) into this model in 16 bit; returns the merged folder (an
+        existing one is refused unless ``overwrite``)."""
         from modules import shared
         from modules.lifecycle.merge import MergeArgs, merge
 
@@ -242,7 +243,8 @@ class Workbench:
         if not adapter.is_absolute() and not adapter.exists():
             adapter = shared.loras_dir() / adapter
         out = Path(output) if output else shared.models_dir() / f"{Path(self.path).name}-{adapter.name}-merged"
-        self.last_merge = self._run(f"merge {adapter.name}", merge, MergeArgs(self.path, adapter, out))
+        args = MergeArgs(self.path, adapter, out, overwrite=overwrite)
+        self.last_merge = self._run(f"merge {adapter.name}", merge, args)
         return self.last_merge
 
     def export(self, format: str = "gguf", quant: str = "Q4_K_M", output: str | Path | None = None,

@@ -114,7 +114,7 @@ def staged_folder(output: Path, cancel: threading.Event, overwrite: bool = False
             raise TextgenError(f"nothing was written for {output.name}")
         refuse_existing(output, overwrite)  # created meanwhile by someone else
         old = output.with_name(f".{output.name}.replaced")
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         if output.exists():
             output.replace(old)
         try:
@@ -123,9 +123,17 @@ def staged_folder(output: Path, cancel: threading.Event, overwrite: bool = False
             if old.exists():
                 old.replace(output)
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)  # a file replaced by a folder too
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a folder, if there is one."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _run(command: list[str], output: Path, report: jobs.Reporter, cancel: threading.Event, label: str) -> Path:

@@ -92,6 +92,8 @@ def export(args: ExportArgs, report: jobs.Reporter, cancel: threading.Event) -> 
     output = Path(args.output) if args.output else default_output(args)
     source = Path(args.source).resolve()
     convert.refuse_overlap(output, source=source)
+    if args.format in ("gguf", "gguf-lora") and output.is_dir():  # found now, not after the whole conversion
+        raise InvalidRequest(f"{output} is a folder and a GGUF is one file; choose another output", "output")
     convert.refuse_existing(output, args.overwrite)
     if args.keep_f16:
         convert.refuse_existing(_kept_f16(output, args.quant.upper()), args.overwrite)

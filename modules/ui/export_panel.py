@@ -154,6 +154,7 @@ def build() -> None:
                 merge_base = gr.Dropdown(_sources(), label="Base model (HF folder)", elem_id="merge-base")
                 merge_lora = gr.Dropdown(_adapters(), label="LoRA", elem_id="merge-lora")
                 merge_out = gr.Textbox(label="Merged model name in models/", elem_id="merge-output")
+                merge_replace = gr.Checkbox(False, label="Replace the output if it exists", elem_id="merge-replace")
             merge_btn = admin_control(gr.Button("Merge", variant="primary", elem_id="merge-start"))
         with gr.Tab("Quant table"):
             with gr.Row():
@@ -198,13 +199,14 @@ def build() -> None:
         what = quant_ if fmt_ in ("gguf", "gguf-lora") else fmt_
         return _start(f"export {name} {what}", export, args)
 
-    def start_merge(base_: str, lora: str, out: str) -> str:
+    def start_merge(base_: str, lora: str, out: str, replace_: bool) -> str:
         from modules.lifecycle.convert import refuse_existing
         from modules.lifecycle.merge import MergeArgs, merge
 
         try:
             args = MergeArgs(_path(base_, "a base model"), _path(lora, "a LoRA", shared.loras_dir()),
-                             _path(out or f"{base_}-{lora}-merged", "an output name"))  # fmt: skip
+                             _path(out or f"{base_}-{lora}-merged", "an output name"),
+                             overwrite=bool(replace_))  # fmt: skip
             refuse_existing(args.output, args.overwrite)
         except TextgenError as exc:
             return refused(exc)
@@ -275,7 +277,8 @@ def build() -> None:
 
     export_btn.click(admin_only("export models")(start_export), [source, fmt, quant, output, base, check, replace], status,
                      queue=False)  # fmt: skip
-    merge_btn.click(admin_only("merge LoRAs")(start_merge), [merge_base, merge_lora, merge_out], status, queue=False)
+    merge_btn.click(admin_only("merge LoRAs")(start_merge), [merge_base, merge_lora, merge_out, merge_replace], status,
+                    queue=False)  # fmt: skip
     table_btn.click(admin_only("quantize models")(start_table), [table_source, types, table_replace], status,
                     queue=False)  # fmt: skip
     cancel_btn.click(admin_only("cancel an export")(cancel), None, status, queue=False)

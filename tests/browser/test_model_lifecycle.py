@@ -147,6 +147,15 @@ def test_lora_export_merge_and_push_from_the_model_tab(page, live_server_factory
         page.click("#merge-start")
         wait_status(page, r"merge lora-a into tiny-llama\*?\*?: done")
         assert (models / "tiny-merged" / "config.json").is_file()
+        (models / "tiny-merged" / "mine.txt").write_text("a file of the old merge")
+        page.click("#merge-start")  # again: the output exists
+        wait_status(page, "exists")
+        assert (models / "tiny-merged" / "mine.txt").is_file()
+        page.locator("#merge-replace input").focus()
+        page.keyboard.press("Space")  # Replace, ticked from the keyboard
+        page.click("#merge-start")
+        wait_status(page, r"merge lora-a into tiny-llama\*?\*?: done")
+        assert (models / "tiny-merged" / "config.json").is_file() and not (models / "tiny-merged" / "mine.txt").exists()
 
         page.get_by_role("tab", name="Publish").click()
         choose(page, "#push-source", "tiny-merged")  # listed without a restart

@@ -185,6 +185,8 @@ def test_an_export_named_like_an_existing_model_is_refused_and_the_model_kept(tm
             export(args, noop, threading.Event())
     with pytest.raises(InvalidRequest, match="inside it"):
         export(ExportArgs(source, "safetensors", output=source / "out", overwrite=True), noop, threading.Event())
+    with pytest.raises(InvalidRequest, match="is a folder and a GGUF is one file"):  # told before converting
+        export(ExportArgs(source, "gguf", "F16", output=model, overwrite=True), noop, threading.Event())
     with pytest.raises(InvalidRequest, match="holds it"):  # replacing models/ would delete the source in it
         export(ExportArgs(source, "safetensors", output=source.parent, overwrite=True), noop, threading.Event())
     assert (model / "model.safetensors").read_bytes() == b"weights" and gguf.read_bytes() == b"GGUF old"
