@@ -26,7 +26,7 @@ def engine_url(server: Server) -> tuple[str, dict[str, str]]:
         cmd = child.cmdline()
         if "vllm.entrypoints.openai.api_server" in " ".join(cmd):
             key = child.environ().get("VLLM_API_KEY", "")
-            return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", {"Authorization": f"Bearer {key}"}
+            return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", {"Authorization": f"Bearer {key}"} if key else {}
     raise RuntimeError("textgen started no vLLM engine")
 
 
