@@ -112,9 +112,8 @@ def load_gguf(path: Path, n_ctx: int = 1024) -> Any:
 def _gguf_greedy(backend: Any, ids: list[int], n: int, banned: list[int] | None = None) -> tuple[list[int], float]:
     from modules.generation.params import GenerationParams
 
-    bias = {
-        token: -100.0 for token in banned or []
-    }  # (-100 bans) the HF side's end tokens too: both sides ban the same set
+    # -100 bans: the HF side's end tokens too, so both sides ban the same set
+    bias = {token: -100.0 for token in banned or []}
     params = GenerationParams(temperature=0, max_new_tokens=n, ban_eos=True, seed=0, logit_bias=bias)
     start = time.perf_counter()
     out = [e.token_id for e in backend.generate(ids, params, threading.Event()) if e.token_id >= 0]

@@ -448,11 +448,10 @@ def engine_error(response: httpx.Response) -> TextgenError:
     """What an engine's error answer means for our client: a request it refuses (400, 422) is the client's
     mistake, a full engine (429) says retry, anything else is the engine failing (503 here, never a 500)."""
     try:
-        error = response.json().get("error")
-        message = (error.get("message") if isinstance(error, dict) else error) or response.text
+        message = _error_message(response.json().get("error")) or response.text
     except (ValueError, AttributeError):
         message = response.text
-    message = str(message)[:500]
+    message = message[:500]
     if response.status_code in (400, 422):
         return InvalidRequest(f"the remote engine refused the request: {message}")
     if response.status_code == 429:
@@ -460,12 +459,15 @@ def engine_error(response: httpx.Response) -> TextgenError:
     return EngineUnavailable(f"the remote engine answered {response.status_code}: {message}")
 
 
+def _error_message(error: Any) -> str:
+    """The text of an OpenAI-style error: ``{"message": ...}`` or a plain value."""
+    return str((error.get("message") if isinstance(error, dict) else error) or "")
+
+
 def _chunk_events(chunk: dict[str, Any], finish: str) -> tuple[list[TokenEvent], str]:
     """The token events of one streamed completion chunk, and the finish reason so far."""
     if "error" in chunk:
-        error = chunk["error"]
-        message = error.get("message") if isinstance(error, dict) else error
-        raise EngineUnavailable(f"the remote engine failed during the reply: {message}")
+        raise EngineUnavailable(f"the remote engine failed during the reply: {_error_message(chunk['error'])}")
     choices = chunk.get("choices") or []
     if not choices:
         return [], finish

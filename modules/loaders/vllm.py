@@ -144,9 +144,7 @@ class Engine:
         with self._lock:
             if self.stopping:
                 raise ModelLoadError(f"the vLLM engine for {self.name} was stopped")
-            if self.proc is not None:  # what is left of the last one (its engine-core process) goes first
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+            self.kill_group()  # what is left of the last one (its engine-core process) goes first
             self._start()
 
     def _start(self) -> None:
