@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import threading
 import time
 from pathlib import Path
@@ -115,12 +116,19 @@ def test_textgen_in_front_of_an_engine(engine_server, live_server_factory, tmp_p
     assert "Loaded" in front.log() and "with remote" in front.log()
 
 
+class _BurstServer(http.server.ThreadingHTTPServer):
+    """A listen backlog like a real engine's (uvicorn's is 2048), not socketserver's 5: with 5, a burst of 110
+    connects overflows it and the kernel's handshake retries (1, 2, 4, 8, 16 s) can outlast the test's wait."""
+
+    request_queue_size = 256
+    daemon_threads = True
+
+
 class SilentEngine:
     """A stand-in OpenAI-compatible engine that answers the headers of a completion, then stays silent (a long
     prefill) until released; it records whether the client hung up."""
 
     def __init__(self) -> None:
-        import http.server
         import json as json_module
 
         self.release = threading.Event()
@@ -179,8 +187,7 @@ class SilentEngine:
                 if self.rfile.read(1) == b"":  # the client closed its side
                     engine.hung_up.set()
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _BurstServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
