@@ -13,7 +13,7 @@ from pathlib import Path
 from modules import jobs, shared
 from modules.training.args import PARAMETERS_FILE, TrainingArgs
 from modules.training.evaluate import EvalArgs, evaluate
-from modules.training.run import latest_checkpoint, prepare, train
+from modules.training.run import finished, latest_checkpoint, prepare, train
 
 KIND = "training"
 EVAL_KIND = "training-eval"
@@ -49,13 +49,13 @@ def saved_args(name: str, resume: bool = False) -> TrainingArgs:
 
 
 def resumable() -> list[tuple[str, int]]:
-    """(adapter, step) of the runs in loras/ that have a checkpoint to resume from, newest first: what the
-    Training tab offers after a restart."""
+    """(adapter, step) of the runs in loras/ that have a checkpoint to resume from and did not finish, newest
+    first: what the Training tab offers after a restart."""
     folder = shared.loras_dir()
     found = []
     for run in folder.iterdir() if folder.is_dir() else []:
         checkpoint = latest_checkpoint(run)
-        if checkpoint is not None and (run / PARAMETERS_FILE).is_file():
+        if checkpoint is not None and (run / PARAMETERS_FILE).is_file() and not finished(run):
             found.append((checkpoint.stat().st_mtime, run.name, int(checkpoint.name.split("-")[-1])))
     return [(name, step) for _, name, step in sorted(found, reverse=True)]
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,12 +89,28 @@ def latest_checkpoint(output: Path) -> Path | None:
     return max(found, key=lambda p: int(p.name.split("-")[-1])) if found else None
 
 
+def finished(output: Path) -> bool:
+    """The run saved its outputs after its last planned step (training_log.json says so): nothing is left to
+    resume. A run killed after its last checkpoint but before saving is not finished: resuming it saves."""
+    try:
+        summary = json.loads((output / "training_log.json").read_text())["summary"]
+        return int(summary["steps"]) >= int(summary["max_steps"]) > 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def prepare_output(args: TrainingArgs, paths: Paths) -> Path | None:
     """Refuse to clobber an adapter; the checkpoint to resume from (with ``resume``)."""
     if args.resume:
         checkpoint = latest_checkpoint(paths.output)
         if checkpoint is None:
             raise InvalidRequest(f"loras/{args.name} has no checkpoint to resume from", param="resume")
+        if finished(paths.output):
+            raise InvalidRequest(
+                f"loras/{args.name} finished all its steps: there is nothing to resume. Start a new run "
+                "(copy from it to keep its settings)",
+                param="resume",
+            )
         return checkpoint
     if paths.output.exists() and any(paths.output.iterdir()):
         if not args.overwrite:
@@ -128,8 +145,36 @@ def check_resume(args: TrainingArgs, paths: Paths) -> None:
 
 
 def check_hardware(args: TrainingArgs) -> None:
-    """Refuse what this machine cannot do before a job starts (not minutes into it): bf16/fp16 need CUDA."""
+    """Refuse what this machine cannot do before a job starts (not minutes into it): bf16/fp16 need CUDA, and a
+    launch that shards the weights (FSDP, DeepSpeed ZeRO-3) is not one this run can save."""
     precision(args)
+    check_sharding(os.environ)
+
+
+def check_sharding(env: Mapping[str, str]) -> None:
+    """Refuse FSDP and DeepSpeed ZeRO-3, as ``accelerate launch`` sets them in the environment: they shard the
+    weights themselves, and rank 0 saving and measuring alone would write an incomplete adapter or wait for the
+    other ranks forever (docs/training.md says what is supported)."""
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        raise InvalidRequest(
+            "FSDP is not supported by textgen's training: it shards the weights, and the adapter "
+            "would be saved incomplete. Use data parallel or DeepSpeed ZeRO-1/2 (docs/training.md)"
+        )
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return
+    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+    config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
+    if config_file:  # a DeepSpeed JSON config names its own stage
+        try:
+            found = json.loads(Path(config_file).read_text()).get("zero_optimization", {}).get("stage")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise InvalidRequest(f"cannot read the DeepSpeed config {config_file}: {exc}") from exc
+        stage = str(found) if found is not None else stage
+    if stage.strip() == "3":
+        raise InvalidRequest(
+            "DeepSpeed ZeRO-3 is not supported by textgen's training: it shards the weights, and "
+            "the adapter would be saved incomplete. Use ZeRO-1 or ZeRO-2 (docs/training.md)"
+        )
 
 
 def linear_names(model: Any) -> tuple[set[str], set[str]]:

@@ -158,6 +158,7 @@ def test_a_killed_trainer_ends_only_its_job_and_resume_goes_on_on_the_same_curve
     assert "SIGKILL" in (job.error or "") and "out-of-memory" in (job.error or ""), job.error
     assert answer("Say hello.")  # the server goes on
     assert list((shared.loras_dir() / "killed" / "checkpoints").glob("checkpoint-*"))  # something to resume from
+    assert [name for name, _ in background.resumable()] == ["killed"]  # not "straight": it finished
 
     with pytest.raises(InvalidRequest, match="learning_rate"):  # other arguments than the checkpoint's: refused
         background.start(TrainingArgs(name="killed", resume=True, **{**common, "learning_rate": 3e-4}))  # type: ignore[arg-type]
@@ -169,6 +170,9 @@ def test_a_killed_trainer_ends_only_its_job_and_resume_goes_on_on_the_same_curve
         assert curve[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-5), step
     kept = sorted(p.name for p in (shared.loras_dir() / "killed" / "checkpoints").iterdir())
     assert kept[-1] == "checkpoint-8" and len(kept) <= 2  # a checkpoint at the end; save_total_limit keeps two
+    assert background.resumable() == []
+    with pytest.raises(InvalidRequest, match="finished all its steps"):
+        background.resume("killed")
 
 
 def test_target_modules_are_checked_against_the_model(folders: Path) -> None:
@@ -194,6 +198,20 @@ def test_cli_under_accelerate_launch(folders: Path) -> None:
     again = subprocess.run([sys.executable, "-m", "modules.training", *command[7:]], cwd=ROOT, capture_output=True,
                            text=True, timeout=240)  # fmt: skip
     assert again.returncode == 2 and "loras/cli already exists" in again.stderr
+
+
+def test_fsdp_under_accelerate_launch_is_refused_before_anything_loads(folders: Path) -> None:
+    """FSDP shards the weights, and rank 0 alone would save an incomplete adapter: refused, not half-done."""
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = [str(accelerate), "launch", "--num_processes", "1", "--use_fsdp", "-m", "modules.training",
+               "--model", "tiny-llama", "--dataset", "example-chat.jsonl", "--name", "sharded", "--max-steps", "1",
+               "--user-data-dir", str(folders / "user_data"), "--model-dir", str(folders / "models"),
+               "--lora-dir", str(folders / "loras")]  # fmt: skip
+    env = {**os.environ, "HF_HOME": str(folders / "hf-home")}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode != 0
+    assert "error: FSDP is not supported by textgen's training" in done.stderr, done.stderr[-3000:]
+    assert not (folders / "loras" / "sharded").exists()
 
 
 def test_ctrl_c_on_the_cli_stops_at_the_next_step_with_a_checkpoint(folders: Path) -> None:
