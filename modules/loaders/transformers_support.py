@@ -102,12 +102,37 @@ def load_model_objects(path: Path, options: dict[str, Any]) -> LoadedObjects:
         model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(str(folder), **common)
     model.eval()
+    if quantized == "4-bit":
+        unpack_4bit_rightly(model)
     output = model.get_output_embeddings()
     vocab = int(output.weight.shape[0]) if output is not None else int(getattr(config, "vocab_size", len(tokenizer)))
     device = next(model.parameters()).device
     loaded_dtype = getattr(model, "dtype", None) or kwargs["dtype"]  # what "auto" became, not what was asked
     log.info("transformers: %s on %s (%s%s)", folder.name, device, loaded_dtype, f", {quantized}" if quantized else "")
     return LoadedObjects(model, tokenizer, processor, vision, device, config, loaded_dtype, vocab, quantized)
+
+
+def unpack_4bit_rightly(model: Any) -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a 4-bit layer at its first reply (absmax
+    transposed, in bf16) and unpacks it when the layer's state dict is read, as PEFT does to apply a LoRA. Its
+    unpacking leaves the absmax transposed where there is no double quantisation, and from then on the model
+    answers garbage, also once the LoRA is gone. This unpacks such a layer first, absmax in its own order; a
+    double-quantised one bitsandbytes unpacks right itself."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    def unpack(module: Any, prefix: str, keep_vars: bool) -> None:
+        weight = module.weight
+        state = getattr(weight, "quant_state", None)
+        if state is None or not getattr(state, "packing_format_for_cpu", False) or state.original_nested:
+            return
+        absmax = state.absmax  # [K / blocksize, N] as packed
+        weight.data, state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+        state.absmax = absmax.T.reshape(-1).to(state.dtype).contiguous()
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.register_state_dict_pre_hook(unpack)
 
 
 def _memory(value: str) -> str:

@@ -172,6 +172,29 @@ def test_bitsandbytes_on_the_cpu(tiny: Path, flag: str) -> None:
     assert stats.new_tokens == 6 and text
 
 
+def test_a_lora_on_a_4bit_model_leaves_the_base_as_it_was(
+    hub: object, models_dir: Path, user_data: Path, tmp_path: Path
+) -> None:
+    """bitsandbytes repacks 4-bit weights for AVX512-BF16 CPUs (Sapphire Rapids) at the first reply and unpacks
+    them wrongly when PEFT reads the state dict to apply a LoRA: the model answered garbage from then on, also
+    once the LoRA was removed. The default model: the tiny one's layers are too small to be repacked."""
+    from modules.settings import load_settings
+    from tests.fixtures.tiny_hf import build_tiny_lora
+
+    (models_dir / "SmolLM2-135M-Instruct").symlink_to(hf_default_model())
+    build_tiny_lora(tmp_path / "loras" / "lora-a", hf_default_model(), targets=("q_proj", "v_proj", "down_proj"))
+    folders = ["--user-data-dir", str(user_data), "--model-dir", str(models_dir), "--lora-dir", str(tmp_path / "loras")]
+    shared.init(load_settings(folders, env={}))
+    models.load_model("SmolLM2-135M-Instruct", {"loader": "transformers", "load_in_4bit": True})  # no double quant
+    params = GenerationParams(temperature=0, max_new_tokens=8, ban_eos=True)
+    base = generate_text("Hello", params)[0]
+    models.apply_loras(["lora-a"])
+    one = generate_text("Hello", params)[0]
+    models.apply_loras([])
+    assert generate_text("Hello", params)[0] == base
+    assert one != base
+
+
 def test_lora_load_stack_unload(tiny: Path) -> None:
     models.load_model("tiny-llama")
     params = GenerationParams(temperature=0, max_new_tokens=8, ban_eos=True)
