@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -191,6 +194,30 @@ def test_an_export_named_like_an_existing_model_is_refused_and_the_model_kept(tm
         export(ExportArgs(source, "safetensors", output=source.parent, overwrite=True), noop, threading.Event())
     assert (model / "model.safetensors").read_bytes() == b"weights" and gguf.read_bytes() == b"GGUF old"
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["My-Model", "My-Model.Q4_K_M.gguf"]
+
+
+def test_the_push_cli_takes_its_token_from_the_environment_never_argv(
+    export_folder: Path, push_hub, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """`python -m modules.lifecycle push` as a user runs it: HF_TOKEN (or the saved login) is the token, no flag takes
+    one (`ps` would show it), none is printed, and without one nothing is sent."""
+    from tests.conftest import ROOT
+
+    command = [sys.executable, "-m", "modules.lifecycle", "push", str(export_folder), "me/cli-push", "--private",
+               "--endpoint", push_hub.url, "--json"]  # fmt: skip
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "0"}
+    env.pop("HF_TOKEN", None)
+    run = lambda argv, extra: subprocess.run(argv, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True,  # noqa: E731
+                                             stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    refused = run(command, {})  # no token anywhere, and no terminal to ask on
+    assert refused.returncode == 1 and "needs a Hugging Face token" in refused.stderr, refused.stderr[-2000:]
+    assert "me/cli-push" not in push_hub.repos
+    flag = run([*command, "--token", "hf_me"], {})
+    assert flag.returncode == 2 and "unrecognized arguments: --token" in flag.stderr
+    done = run(command, {"HF_TOKEN": "hf_me"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["private"] is True and push_hub.repos["me/cli-push"].private is True
+    assert "hf_me" not in done.stdout + done.stderr
 
 
 def test_a_pushed_gguf_goes_alone_and_no_path_or_token_leaves(tmp_path: Path, push_hub) -> None:  # type: ignore[no-untyped-def]
