@@ -119,7 +119,11 @@ def unpack_4bit_rightly(model: Any) -> None:
     answers garbage, also once the LoRA is gone. This unpacks such a layer first, absmax in its own order; a
     double-quantised one bitsandbytes unpacks right itself."""
     import bitsandbytes as bnb
-    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    try:
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+    except ImportError:  # a bitsandbytes without the CPU repacking
+        return
 
     def unpack(module: Any, prefix: str, keep_vars: bool) -> None:
         weight = module.weight
