@@ -17,6 +17,7 @@ def fill(page, selector: str, text: str) -> None:
     box = page.locator(f"{selector} textarea, {selector} input").first
     box.click()
     box.fill(text)
+    page.keyboard.press("Tab")  # leave the box, as a person would: its value is committed before the next click
 
 
 def test_plan_memory_and_download_in_the_model_tab(page, live_server_factory, tmp_path: Path) -> None:
@@ -83,7 +84,7 @@ def test_export_panel_writes_a_gguf_and_refuses_a_bad_name(page, live_server_fac
     page.get_by_label("Fidelity check (greedy agreement, PPL, KLD vs F16)").uncheck()
     fill(page, "#export-output", "../outside.gguf")
     page.click("#export-start")
-    page.locator("#export-status").get_by_text("as an output name").wait_for(timeout=10_000)
+    page.locator("#export-status").get_by_text("as an output name").wait_for(timeout=30_000)
     assert not (tmp_path / "outside.gguf").exists()
 
     fill(page, "#export-output", "tiny.Q8_0.gguf")
@@ -99,7 +100,7 @@ def test_export_panel_writes_a_gguf_and_refuses_a_bad_name(page, live_server_fac
     ]  # fmt: skip
     written = out.stat().st_mtime_ns
     page.click("#export-start")  # the same name again: refused before anything runs, the file kept
-    status.get_by_text("exists").wait_for(timeout=10_000)
+    status.get_by_text("exists").wait_for(timeout=30_000)
     assert out.stat().st_mtime_ns == written
     page.get_by_label("Replace the output if it exists").check()
     page.click("#export-start")
