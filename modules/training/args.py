@@ -161,6 +161,7 @@ def from_dict(values: dict[str, Any]) -> TrainingArgs:
 
 
 PARAMETERS_FILE = "training_parameters.json"
+LOG_FILE = "training_log.json"
 
 
 def saved_parameters(lora_dir: Path, param: str, missing: str) -> dict[str, Any]:

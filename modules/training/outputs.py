@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modules.fileio import atomic_write_bytes, atomic_write_text
-from modules.training.args import TrainingArgs
+from modules.training.args import LOG_FILE, TrainingArgs
 from modules.training.datasets import TrainingData
 
 if TYPE_CHECKING:
@@ -129,6 +129,6 @@ def write_all(
         summary["perplexity"] = compare(model, data.eval, args.name, args.micro_batch_size)
     summary["gguf"] = write_gguf(args, paths, output) if args.gguf else None
     history = trainer.state.log_history
-    atomic_write_text(output / "training_log.json", json.dumps({"summary": summary, "log": history}, indent=2) + "\n")
+    atomic_write_text(output / LOG_FILE, json.dumps({"summary": summary, "log": history}, indent=2) + "\n")
     atomic_write_bytes(output / PLOT_NAME, loss_plot(history, args.name))
     atomic_write_text(output / "README.md", readme(args, paths, data, summary))

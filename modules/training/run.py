@@ -24,7 +24,7 @@ from modules.fileio import atomic_write_text
 from modules.jobs import Reporter
 from modules.paths import UnsafePath, safe_child
 from modules.training import outputs
-from modules.training.args import PARAMETERS_FILE, TrainingArgs, saved_parameters
+from modules.training.args import LOG_FILE, PARAMETERS_FILE, TrainingArgs, saved_parameters
 from modules.training.datasets import IGNORE, Sample, TrainingData, load_training_data, resolve_file
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def finished(output: Path) -> bool:
     """The run saved its outputs after its last planned step (training_log.json says so): nothing is left to
     resume. A run killed after its last checkpoint but before saving is not finished: resuming it saves."""
     try:
-        summary = json.loads((output / "training_log.json").read_text())["summary"]
+        summary = json.loads((output / LOG_FILE).read_text())["summary"]
         return int(summary["steps"]) >= int(summary["max_steps"]) > 0
     except (OSError, ValueError, KeyError, TypeError):
         return False
