@@ -9,7 +9,9 @@ server. Two callers asking for the same work (the same ``key``) share one job.
 The process form, :func:`start_process`, runs the same function in a child process (spawned: a fresh interpreter
 with the server's settings): what can kill a process (a segfault in native code, the kernel's OOM killer, a
 ``kill -9``) then ends only that job, as ``failed`` with the signal named, and the server goes on serving. Progress,
-cancel and the result cross a pipe; a child whose server is gone stops at its next check and exits.
+cancel and the result cross a pipe; a child whose server is gone stops at its next check and exits. The child leads
+a process group of its own, and whatever is left of that group when the child ends is killed with it, so a tool it
+started (llama.cpp's converter) never outlives it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import signal
 import threading
 import time
@@ -335,6 +338,7 @@ def _run_child(
         if process.is_alive():
             process.kill()
             process.join()
+        _end_group(process.pid)
         ours.close()
         job.pid = None
     if outcome is None:
@@ -346,19 +350,29 @@ def _run_child(
     raise ChildFailed(outcome[1], outcome[2])
 
 
+def _end_group(pid: int | None) -> None:
+    """SIGKILL what is left of a finished child's process group: the tools it started (llama.cpp's converter, data
+    loader workers) must not outlive a killed child and go on writing where the next run writes. The group keeps
+    its number while any member lives, so no other process can have it."""
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
 def _child_main(conn: Any, where: str, args: Any, state: dict[str, Any]) -> None:
     """The child's side: the server's settings, a thread that turns the parent's cancel (or its going away) into
     the cancel Event, progress sent up the pipe and logged on the console, and one answer at the end."""
     import importlib
-    import os
 
+    os.setpgid(0, 0)  # a group of its own: what it starts ends with it (_end_group), whatever ends it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from modules import shared
 
     shared.init(state["settings"])
     module, _, name = where.partition(":")
     target = getattr(importlib.import_module(module), name)
-    # a terminal's Ctrl+C reaches the whole process group: the server decides (stop_process_jobs cancels us)
+    # in its own group a terminal's Ctrl+C does not reach it; a kill -INT to it is ignored too: the server decides
+    # (stop_process_jobs cancels us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cancel = threading.Event()
     sending = threading.Lock()

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from modules import jobs
@@ -148,9 +149,25 @@ def test_an_export_that_is_not_the_model_is_refused_and_leaves_nothing(tmp_path:
     assert out.is_file() and result.fidelity is None  # asked for: kept unchecked
 
 
+def _running(processes: list[psutil.Process], within_s: float) -> list[psutil.Process]:
+    """Those of ``processes`` still running (not ended, not a zombie) after waiting up to ``within_s``."""
+
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in processes if alive(p)]
+
+
 def test_the_model_tabs_export_runs_in_a_child_process_a_sigkill_ends_alone(tiny_models: Path, tmp_path: Path) -> None:
     """The Model tab starts merge, export and the quant table in a child process (jobs.start_process): SIGKILL
-    there fails that job with the reason, leaves nothing under the output's name, and a retry works."""
+    there fails that job with the reason, ends the converter it started, leaves nothing under the output's name, and a
+    retry works."""
     from modules.ui import export_panel
 
     out = tmp_path / "tiny.Q8_0.gguf"
@@ -160,9 +177,14 @@ def test_the_model_tabs_export_runs_in_a_child_process_a_sigkill_ends_alone(tiny
     while not (job.pid and job.message) and job.state == "running" and time.monotonic() < deadline:
         time.sleep(0.02)  # the child has started the export (it reports its first step)
     assert job.state == "running" and job.pid is not None and job.pid != os.getpid()
+    converters = [p for p in psutil.Process(job.pid).children() if "convert_hf_to_gguf" in " ".join(p.cmdline())]
+    assert converters  # started before the first report
     os.kill(job.pid, signal.SIGKILL)
     assert job.wait(60) and job.state == "failed"
     assert "SIGKILL" in (job.error or ""), job.error
+    # the converter the killed child started went with it: left running, it wrote into the retry's work folder
+    # (it would take seconds more to finish; killed, it is gone, or a zombie where no init reaps it, within 2 s)
+    assert not _running(converters, within_s=2.0), "the killed export's converter is still running"
     assert not out.exists()
     again = export_panel.start_job("export tiny-llama Q8_0", export, args)
     assert again.wait(300) and again.state == "done", again.error
