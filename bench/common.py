@@ -142,6 +142,48 @@ def stream_completion(
     )
 
 
+class CpuAccount:
+    """CPU seconds spent while requests ran: by the server's two busiest threads (llama.cpp's compute threads, which
+    spin through a step), by its other threads (HTTP, JSON, the event loop, the scheduler's bookkeeping between
+    steps) and by this process (the benchmark's clients). On 2 cores every CPU second outside the compute threads
+    is taken from a step, so it accounts for what the clients' view of a step costs beyond the engine's own."""
+
+    def __init__(self, server_pid: int) -> None:
+        import psutil
+
+        self._server = psutil.Process(server_pid)
+        self._me = psutil.Process()
+        self.threads: dict[int, float] = {}
+        self.client = 0.0
+        self._start: tuple[dict[int, float], float] | None = None
+
+    def _snapshot(self) -> tuple[dict[int, float], float]:
+        threads = {t.id: t.user_time + t.system_time for t in self._server.threads()}
+        mine = self._me.cpu_times()
+        return threads, mine.user + mine.system
+
+    def __enter__(self) -> CpuAccount:
+        self._start = self._snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._start is not None
+        threads, client = self._snapshot()
+        for tid, seconds in threads.items():
+            self.threads[tid] = self.threads.get(tid, 0.0) + seconds - self._start[0].get(tid, 0.0)
+        self.client += client - self._start[1]
+
+    def summary(self, tokens: int) -> dict[str, float]:
+        """Milliseconds of CPU per generated token, by part."""
+        busiest = sorted(self.threads.values(), reverse=True)
+        per = 1000 / max(tokens, 1)
+        return {
+            "server_compute_threads_ms": sum(busiest[:2]) * per,
+            "server_other_threads_ms": sum(busiest[2:]) * per,
+            "clients_ms": self.client * per,
+        }
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:

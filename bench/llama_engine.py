@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import MODEL, StreamResult, llama_cpp_server, percentile, stream_completion, textgen
+from bench.common import MODEL, CpuAccount, StreamResult, llama_cpp_server, percentile, stream_completion, textgen
 
 NEW_TOKENS = 128
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -35,7 +36,10 @@ def single_stream(rounds: int = 7) -> dict[str, Any]:
             "stream_options": {"include_usage": True}}  # fmt: skip  # a chunk carries the tokens that came together
     raw: list[float] = []
     ours: list[float] = []
+    engine: list[dict[str, Any]] = []  # the same scheduler in this process: no HTTP, no client
+    streamed = 0
     with textgen("--threads", str(THREADS)) as server:
+        cpu = CpuAccount(server.proc.pid)
         llm.create_completion(PROMPT, max_tokens=8, temperature=0)  # warm-up both
         stream_completion(server.url, {**body, "max_tokens": 8})
         for _ in range(rounds):
@@ -44,8 +48,11 @@ def single_stream(rounds: int = 7) -> dict[str, Any]:
             out = llm.create_completion(PROMPT, max_tokens=NEW_TOKENS, temperature=0, logit_bias=bias)
             raw.append(out["usage"]["completion_tokens"] / (time.perf_counter() - started))
             time.sleep(0.5)
-            result = stream_completion(server.url, body)
+            with cpu:
+                result = stream_completion(server.url, body)
             ours.append(result.tokens / (result.ended - result.started))
+            streamed += result.tokens
+            engine.append(engine_in_process(1, temperature=0))
         # then embeddings (MiniLM in torch) and next-token logits (a llama.cpp side context), each from a request
         # thread, as a retrieval extension or a client would; a second thread with an OpenMP team once made every
         # later step ~3x slower
@@ -62,6 +69,7 @@ def single_stream(rounds: int = 7) -> dict[str, Any]:
             after.append(result.tokens / (result.ended - result.started))
     llm.close()
     r, o, a = statistics.median(raw), statistics.median(ours), statistics.median(after)
+    e = statistics.median(x["decode_phase_tokens_per_s"] for x in engine)
     return {
         "raw_tokens_per_s": r,
         "textgen_tokens_per_s": o,
@@ -72,10 +80,30 @@ def single_stream(rounds: int = 7) -> dict[str, Any]:
         "after_embeddings_and_logits_tokens_per_s": a,
         "after_embeddings_and_logits_ratio": a / r,
         "after_runs": after,
+        "engine_in_process": engine,
+        "engine_in_process_tokens_per_s": e,
+        "engine_in_process_ratio": e / r,
+        # per token (medians): the wall time each side took, and the CPU the API runs spent outside llama.cpp's
+        # compute threads
+        "ms_per_token": {
+            "raw": 1000 / r,
+            "textgen": 1000 / o,
+            "engine_in_process": 1000 / e,
+            "engine_in_process_decode": statistics.median(
+                x["decode_ms_per_step"] / x["tokens_per_step"] for x in engine
+            ),
+        },
+        "cpu_ms_per_token": cpu.summary(streamed),
     }
 
 
-def _concurrent(url: str, clients: int, usage: bool = True, headers: dict[str, str] | None = None) -> dict[str, float]:
+def _concurrent(
+    url: str,
+    clients: int,
+    usage: bool = True,
+    headers: dict[str, str] | None = None,
+    cpu: CpuAccount | None = None,
+) -> dict[str, float]:
     results: list[StreamResult] = []
     lock = threading.Lock()
 
@@ -94,10 +122,11 @@ def _concurrent(url: str, clients: int, usage: bool = True, headers: dict[str, s
 
     stream_completion(url, {"prompt": PROMPT, "max_tokens": 4}, headers=headers)  # warm-up
     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with cpu or contextlib.nullcontext():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     start = min(r.started for r in results)
     end = max(r.ended for r in results)
     tokens = sum(r.tokens for r in results)
@@ -113,14 +142,27 @@ def _concurrent(url: str, clients: int, usage: bool = True, headers: dict[str, s
     }
 
 
-def concurrency(clients: int = 8) -> dict[str, Any]:
-    raw_by_attention = {
-        "flash_attn_off": raw_batched_decode(clients),
-        "flash_attn_on": raw_batched_decode(clients, flash_attn=1),
-    }
-    raw = max(raw_by_attention.values())  # the faster setting is the reference
+def concurrency(clients: int = 8, rounds: int = 3) -> dict[str, Any]:
+    """8 streams through the API against llama_cpp.server, and their decode phase against the raw batched loop
+    (flash attention off, as textgen runs on the CPU, and on) and the same scheduler in this process without HTTP:
+    rounds alternate between the four, medians compared (this machine's speed wanders by 10-20% between runs)."""
+    off: list[float] = []
+    on: list[float] = []
+    engine: list[dict[str, Any]] = []
+    runs: list[dict[str, float]] = []
     with textgen("--threads", str(THREADS), "--parallel", str(clients)) as server:
-        ours = _concurrent(server.url, clients)
+        cpu = CpuAccount(server.proc.pid)
+        for _ in range(rounds):
+            off.append(raw_batched_decode(clients))
+            on.append(raw_batched_decode(clients, flash_attn=1))
+            engine.append(engine_in_process(clients))
+            runs.append(_concurrent(server.url, clients, cpu=cpu))
+    median = statistics.median
+    raw_by_attention = {"flash_attn_off": median(off), "flash_attn_on": median(on)}
+    raw = max(raw_by_attention.values())  # the faster setting is the reference
+    middle = median(x["decode_phase_tokens_per_s"] for x in runs)
+    ours = min(runs, key=lambda x: abs(x["decode_phase_tokens_per_s"] - middle))  # the median run
+    in_process = median(x["decode_phase_tokens_per_s"] for x in engine)
     with llama_cpp_server(
         "--n_threads",
         str(THREADS),
@@ -140,6 +182,22 @@ def concurrency(clients: int = 8) -> dict[str, Any]:
         "raw_batched_decode_tokens_per_s": raw,
         "raw_batched_decode_by_attention": raw_by_attention,
         "ratio_vs_raw_batched": ours["decode_phase_tokens_per_s"] / raw,
+        "raw_batched_runs": {"flash_attn_off": off, "flash_attn_on": on},
+        "textgen_runs": runs,
+        "cpu_ms_per_token": cpu.summary(sum(int(x["tokens"]) for x in runs)),
+        "engine_in_process": engine,
+        "engine_in_process_tokens_per_s": in_process,
+        "engine_in_process_ratio_vs_raw_batched": in_process / raw,
+        # per 8-token step (medians): the raw loop's with flash attention on and off, the scheduler's in this
+        # process (its llama_decode and what is around it), and through HTTP (the step as the clients see it)
+        "step_ms": {
+            "raw_batched_flash_attn_on": 1000 * clients / raw_by_attention["flash_attn_on"],
+            "raw_batched_flash_attn_off": 1000 * clients / raw_by_attention["flash_attn_off"],
+            "engine_in_process": 1000 * clients / in_process,
+            "engine_in_process_decode": median(x["decode_ms_per_step"] for x in engine),
+            "engine_in_process_around_decode": median(x["around_decode_ms_per_step"] for x in engine),
+            "through_http": 1000 * clients / ours["decode_phase_tokens_per_s"],
+        },
         "target": ">= 1.5x llama_cpp.server, >= 0.95x raw batched decode, p95 TTFT < 1 s",
         "ttft_lower": ours["p95_ttft_s"] < theirs["p95_ttft_s"],
     }
@@ -374,6 +432,79 @@ def speculative(rounds: int = 4) -> dict[str, Any]:
         },
         "server_metrics": accepted,
         "runs": runs,
+    }
+
+
+def engine_in_process(clients: int = 8, temperature: float = 0.8) -> dict[str, Any]:
+    """The decode phase of textgen's llama.cpp scheduler in this process, as the server runs it (same
+    options, speculation planner on, events handed to an asyncio loop the way the HTTP layer gets them) but with no
+    HTTP, JSON or clients: every ``llama_decode`` is timed, so a step splits into the engine's own compute and what
+    the scheduler does around it (sampling, bookkeeping, drafting, handing events over)."""
+    import asyncio
+
+    import llama_cpp
+
+    from modules.generation.params import GenerationParams
+    from modules.loaders.base import TokenSink
+    from modules.loaders.llama_cpp import LlamaCppBackend
+
+    calls: list[tuple[float, float, int]] = []  # (start, end, tokens) of each llama_decode
+    arrivals: list[float] = []  # when each token's event reached the event loop
+    real = llama_cpp.llama_decode
+
+    def timed(ctx: Any, batch: Any) -> int:
+        began = time.perf_counter()
+        code = real(ctx, batch)
+        calls.append((began, time.perf_counter(), int(batch.n_tokens)))
+        return int(code)
+
+    backend = LlamaCppBackend.load(MODEL, {"threads": THREADS, "parallel": clients})
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="bench-loop", daemon=True).start()
+    bias = {int(k): float(v) for k, v in EOG_BIAS.items()}
+
+    async def run_all() -> list[tuple[float, float]]:
+        async def one(i: int) -> tuple[float, float]:
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+            params = GenerationParams(max_new_tokens=NEW_TOKENS, temperature=temperature, seed=i, logit_bias=bias)
+            ids = backend.encode(f"{PROMPT} Chapter {i + 1}." if clients > 1 else PROMPT)
+            backend.submit(ids, params, threading.Event(), TokenSink(loop, queue, i))
+            first = 0.0
+            while True:
+                _, event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                first = first or time.perf_counter()
+                if event.piece:
+                    arrivals.append(time.perf_counter())
+                if event.finish_reason:
+                    return first, time.perf_counter()
+
+        return await asyncio.gather(*(one(i) for i in range(clients)))
+
+    llama_cpp.llama_decode = timed
+    try:
+        asyncio.run_coroutine_threadsafe(run_all(), loop).result(300)  # warm-up: graphs, sampler, caches
+        calls.clear()
+        arrivals.clear()
+        spans = asyncio.run_coroutine_threadsafe(run_all(), loop).result(300)
+    finally:
+        llama_cpp.llama_decode = real
+        loop.call_soon_threadsafe(loop.stop)
+        backend.unload()
+    low, high = max(s[0] for s in spans), min(s[1] for s in spans)  # every stream decoding
+    steps = [c for c in calls if low <= c[0] and c[1] <= high]
+    wall = steps[-1][1] - steps[0][0]
+    decode = sum(c[1] - c[0] for c in steps)
+    tokens = sum(1 for t in arrivals if steps[0][0] < t <= steps[-1][1])
+    return {
+        "steps": len(steps),
+        "step_ms": 1000 * wall / len(steps),
+        "decode_ms_per_step": 1000 * decode / len(steps),
+        "around_decode_ms_per_step": 1000 * (wall - decode) / len(steps),
+        "tokens_fed_per_step": sum(c[2] for c in steps) / len(steps),
+        "tokens_per_step": tokens / len(steps),
+        "decode_phase_tokens_per_s": tokens / wall,
     }
 
 

@@ -55,6 +55,19 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 if "after_embeddings_and_logits_ratio" in r
                 else []
             ),
+            *(
+                [
+                    (
+                        "1 stream, scheduler in-process (no HTTP): tokens/s",
+                        f"{r['engine_in_process_tokens_per_s']:.1f}",
+                        f"{r['raw_tokens_per_s']:.1f} (Llama.create_completion)",
+                        f"{r['engine_in_process_ratio']:.3f}",
+                        "none (the account)",
+                    )
+                ]
+                if "engine_in_process" in r
+                else []
+            ),
         ]
     if name == "concurrency":
         ours, peer = r["textgen"], r["llama_cpp_server"]
@@ -77,6 +90,19 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     )
                 ]
                 if "raw_batched_decode_tokens_per_s" in r
+                else []
+            ),
+            *(
+                [
+                    (
+                        f"{r['clients']} streams: decode phase, scheduler in-process (no HTTP)",
+                        f"{r['engine_in_process_tokens_per_s']:.1f}",
+                        f"{r['raw_batched_decode_tokens_per_s']:.1f} (llama_decode loop, no HTTP)",
+                        f"{r['engine_in_process_ratio_vs_raw_batched']:.2f}",
+                        "none (the account)",
+                    )
+                ]
+                if "engine_in_process" in r
                 else []
             ),
             (
@@ -293,6 +319,15 @@ def main(argv: list[str]) -> int:
     print()
     print(header)
     print(text)
+    for name, key, what in (  # where the time goes: wall time per token or step, CPU per token by part
+        ("single_stream", "ms_per_token", "ms per token"),
+        ("single_stream", "cpu_ms_per_token", "CPU ms per token, API runs"),
+        ("concurrency", "step_ms", "ms per 8-token step"),
+        ("concurrency", "cpu_ms_per_token", "CPU ms per token, 8 streams"),
+    ):
+        if name in names:
+            account = json.loads((RESULTS / f"{name}.json").read_text()).get(key, {})
+            print(f"{what}: " + ", ".join(f"{k} {v:.2f}" for k, v in account.items()))
     missing = [name for name in BENCHMARKS if not (RESULTS / f"{name}.json").is_file()]
     if missing:  # the doc's table would lose those rows: it is rewritten only from a full set of results
         print(f"\n{DOC.relative_to(ROOT)} not updated: no result yet for {', '.join(missing)}")
