@@ -9,15 +9,16 @@ that is one token (prompt lookup, greedy drafting) this is exactly the standard 
 with the target's probability of it and a rejection draws from the rest, so the output is what the target model
 alone would sample (greedy: the same tokens; seeded sampling: the same random draws, one per token).
 
-How many tokens to draft is chosen per step from the request's acceptance rate so far and the cost of a step,
-``t(n) = base + per_token * n`` (fitted to the scheduler's own steps): a draft is added only while the tokens it is
-expected to yield per second beat the step's own, so speculation backs off when drafts are rejected and when many
-busy slots already fill the step.
+How many tokens to draft is chosen per step from the request's acceptance rate so far and the cost of a step
+(a one-token step's own time, ``base + per_token * n`` from two tokens up, fitted to the scheduler's own steps): a
+draft is taken only when the tokens it is expected to yield per second beat the step's own, so speculation backs off
+when drafts are rejected and when many busy slots already fill the step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ MAX_DEPTH = 64  # longest draft (the --draft-max bound)
 PRIOR_WEIGHT = 2.0  # pseudo-counts a request's acceptance starts from
 PRIOR_FIRST = 0.35  # the first depth's prior: below what pays, so drafting starts once undrafted candidates held
 PROBE_EVERY = 16  # a draft model that stopped paying drafts one token this often, to notice when it pays again
+GROWTH = 2  # a draft is at most this plus twice the tokens that held in the last verification
 DECAY = 0.95  # older verifications weigh less, so a change of text (prose after a copied block) is followed
 
 
@@ -109,6 +111,7 @@ class SpecState:
     source: int = 0  # which acceptance record the draft in flight belongs to
     shadow: int | None = None  # a candidate not drafted this step: checked against what comes, for free
     idle: int = 0  # steps since the last draft (a draft model probes after PROBE_EVERY)
+    run: int = 0  # draft tokens that held in the last verification (a held candidate not drafted: 1)
     drafted: int = 0
     accepted: int = 0
 
@@ -116,8 +119,10 @@ class SpecState:
         """After a verification: ``accepted`` draft tokens held; ``first_token`` is the step's first sample."""
         if self.draft:
             self.acceptance.setdefault(self.source, Acceptance()).update(len(self.draft), accepted)
+            self.run = accepted
         elif self.shadow is not None:
-            self.acceptance.setdefault(self.source, Acceptance()).update(1, int(self.shadow == first_token))
+            self.run = int(self.shadow == first_token)
+            self.acceptance.setdefault(self.source, Acceptance()).update(1, self.run)
         self.draft, self.shadow = [], None
 
 
@@ -126,12 +131,13 @@ def best_length(
     limit: int,
     step_tokens: float,
     step_time: float,
-    per_token: float,
+    per_token: float | Callable[[int], float],
     switch: tuple[int, int, float] = (0, 0, 0.0),
 ) -> tuple[int, float]:
     """The draft length (0..limit) that most raises the step's tokens per second, 0 when none does, and the
     draft tokens it is expected to yield. ``rates``: the chance each depth holds given the ones before did (one
-    number: the same at every depth). ``switch``: (tokens in the step so far, tokens in the last step, the cost of
+    number: the same at every depth). ``per_token``: what each draft token adds to the step's time, or a function
+    of k giving what k of them add. ``switch``: (tokens in the step so far, tokens in the last step, the cost of
     a step of another size than the last): llama.cpp reuses the last step's compute graph only for a step of the
     same size, so a draft that changes the size pays for a new graph."""
     size, last, penalty = switch
@@ -142,7 +148,8 @@ def best_length(
     for k, rate in enumerate(depth_rates, start=1):
         reach *= rate  # the chance all of the first k hold
         gain += reach
-        speed = (step_tokens + gain) / (step_time + per_token * k + (penalty if size + k != last else 0.0))
+        extra = per_token(k) if callable(per_token) else per_token * k
+        speed = (step_tokens + gain) / (step_time + extra + (penalty if size + k != last else 0.0))
         if speed > best_speed * 1.001:
             best, best_gain, best_speed = k, gain, speed
     return best, best_gain
@@ -158,14 +165,18 @@ def expected_gain(rates: list[float]) -> float:
 
 
 class StepCost:
-    """Step time ``base + per_token * tokens``, plus ``switch`` for a step of another size than the one before
-    (llama.cpp then builds a new compute graph: ~2.2 ms here, a fifth of a one-token step), in seconds, fitted to
-    the scheduler's own decode steps (a decayed least-squares line on times less the switch cost, and the switch
-    cost from what steps of a new size took beyond the line; steps that feed a prompt are not counted).
+    """Step time by size, in seconds, fitted to the scheduler's own decode steps (steps that feed a prompt are not
+    counted): a one-token step on its own, and ``base + per_token * tokens`` for two tokens and more, plus ``switch``
+    for a step of another size than the one before (llama.cpp then builds a new compute graph: ~2.2 ms on the Intel
+    machine, 0.4 ms on the AMD one). One token is apart because the CPU backend multiplies a single row another way
+    than several: on the AMD EPYC a two-token step cost twice a one-token one (13.5 vs 6.6 ms) while each token after
+    that added 3.1 ms; a line through all sizes saw drafts as dear and long drafts as dearer still, and barely drafted.
 
-    Until the steps vary enough to fit a slope, the line keeps the shape measured for small models on a CPU
-    (``base`` = 1.3 ``per_token``) through the steps' mean. There are no calibration decodes at load time: a
-    first decode of another shape than the scheduler's slowed every later step of that context by a third.
+    The line is a decayed least-squares fit (on times less the switch cost; the switch cost from what steps of a new
+    size took beyond the model). Until steps of two sizes from 2 up have been seen, it keeps the shape measured for
+    small models on a CPU (``base`` = 1.3 ``per_token``) through their mean, or through the one-token time before any
+    was seen. There are no calibration decodes at load time: a first decode of another shape than the scheduler's
+    slowed every later step of that context by a third.
     """
 
     SHAPE = 1.3
@@ -173,12 +184,16 @@ class StepCost:
 
     def __init__(self, base: float = 0.0065, per_token: float = 0.005) -> None:
         self.base, self.per_token = base, per_token
+        self.one: float | None = None  # a one-token step, once seen
         self.switch = 0.0
         self.last = 0  # tokens in the last step
-        self._sums = [0.0] * 5  # weight, tokens, seconds, tokens^2, tokens*seconds
-        self._residual = [[0.0, 0.0], [0.0, 0.0]]  # [same size, new size]: decayed (weight, sum of time - line)
+        self._one = [0.0, 0.0]  # decayed (weight, seconds) of one-token steps
+        self._sums = [0.0] * 5  # steps of 2+ tokens: weight, tokens, seconds, tokens^2, tokens*seconds
+        self._residual = [[0.0, 0.0], [0.0, 0.0]]  # [same size, new size]: decayed (weight, sum of time - model)
 
     def time(self, tokens: int) -> float:
+        if tokens == 1 and self.one is not None:
+            return self.one
         return self.base + self.per_token * tokens
 
     def step(self, tokens: int, seconds: float, pure: bool = True) -> None:
@@ -197,6 +212,13 @@ class StepCost:
         if same[0] > 0.5 and new[0] > 0.5:
             self.switch = max(0.0, new[1] / new[0] - same[1] / same[0])
         seconds -= self.switch if changed else 0.0
+        if tokens == 1:
+            self._one = [self._one[0] * self.DECAY + 1.0, self._one[1] * self.DECAY + seconds]
+            self.one = self._one[1] / self._one[0]
+            if self._sums[0] == 0.0:  # no step of 2+ tokens yet: the line keeps its shape through this one
+                self.per_token = self.one / (1 + self.SHAPE)
+                self.base = self.SHAPE * self.per_token
+            return
         sums = [x * self.DECAY for x in self._sums]
         for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             sums[i] += value
@@ -235,7 +257,6 @@ class Speculator:
         """Set each sequence's draft (``state.draft``, at most ``room`` tokens in all); returns how many."""
         step_tokens = float(len(work))
         step_time = self.cost.time(len(work))
-        per_token = self.cost.per_token
         wanted: list[tuple[int, list[int], int]] = []
         total = 0
         for item in work:
@@ -252,9 +273,12 @@ class Speculator:
                 if not candidate:
                     continue
                 limit = len(candidate)
+            # drafts grow with the run that last held, not at once (a long draft on thin evidence costs open text)
+            limit = min(limit, max(GROWTH + 2 * state.run, self.draft_min))
             rates = state.acceptance.setdefault(state.source, Acceptance()).rates(limit)
-            switch = (len(work) + total, self.cost.last, self.cost.switch)
-            k, gain = best_length(rates, limit, step_tokens, step_time, per_token, switch)
+            size = len(work) + total
+            switch = (size, self.cost.last, self.cost.switch)
+            k, gain = best_length(rates, limit, step_tokens, step_time, self._extra(size), switch)
             if k < self.draft_min:  # drafting forced on (--draft-min): the planner's estimate is overruled
                 k = min(self.draft_min, limit)
                 gain = expected_gain(rates[:k])
@@ -267,8 +291,8 @@ class Speculator:
                 continue
             state.idle = 0
             step_tokens += gain
-            step_time += per_token * k
             total += k
+            step_time = self.cost.time(len(work) + total)
             state.drafted += k
             self.drafted += k
             if candidate is not None:
@@ -293,6 +317,12 @@ class Speculator:
                     self.drafted -= k
                     by_seq[seq_id].idle = PROBE_EVERY
         return total
+
+    def _extra(self, size: int) -> Callable[[int], float]:
+        """What k draft tokens add to a step of ``size`` tokens."""
+        cost = self.cost
+        before = cost.time(size)
+        return lambda k: cost.time(size + k) - before
 
     def confirmed(self, state: SpecState) -> None:
         """One draft token of ``state`` held."""
