@@ -22,6 +22,7 @@ from bench.common import MODEL, CpuAccount, StreamResult, llama_cpp_server, perc
 NEW_TOKENS = 128
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 EOG_BIAS = {"0": -100, "2": -100, "4": -100}  # SmolLM2's end-of-generation tokens
+EOG_BIAS_IDS = {int(k): float(v) for k, v in EOG_BIAS.items()}  # the same, for llama-cpp-python and the backend
 THREADS = 2
 REPEATS = 3
 
@@ -31,7 +32,7 @@ def single_stream(rounds: int = 7) -> dict[str, Any]:
     from llama_cpp import Llama
 
     llm = Llama(str(MODEL), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, n_batch=512, verbose=False)
-    bias = {int(k): float(v) for k, v in EOG_BIAS.items()}
+    bias = EOG_BIAS_IDS
     body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "logit_bias": EOG_BIAS,
             "stream_options": {"include_usage": True}}  # fmt: skip  # a chunk carries the tokens that came together
     raw: list[float] = []
@@ -351,7 +352,7 @@ def speculative(rounds: int = 4) -> dict[str, Any]:
     raw_code = Llama(str(MODEL), **common)  # its own instance: one Llama caches one prompt
     # logits_all: llama-cpp-python sizes its score buffer from the argument, not from the draft model it forces on
     pld = Llama(str(MODEL), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), logits_all=True, **common)
-    bias = {int(k): float(v) for k, v in EOG_BIAS.items()}
+    bias = EOG_BIAS_IDS
     body = {"prompt": TEXT_PROMPT, "max_tokens": SPEC_TOKENS, "temperature": 0, "logit_bias": EOG_BIAS,
             "stream_options": {"include_usage": True}}  # fmt: skip
     code = {**body, "prompt": REWRITE_PROMPT}
@@ -461,7 +462,7 @@ def engine_in_process(clients: int = 8, temperature: float = 0.8) -> dict[str, A
     backend = LlamaCppBackend.load(MODEL, {"threads": THREADS, "parallel": clients})
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="bench-loop", daemon=True).start()
-    bias = {int(k): float(v) for k, v in EOG_BIAS.items()}
+    bias = EOG_BIAS_IDS
 
     async def run_all() -> list[tuple[float, float]]:
         async def one(i: int) -> tuple[float, float]:

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from bench.common import MODEL
-from bench.llama_engine import EOG_BIAS, SPEC_TOKENS, TEXT_PROMPT, THREADS
+from bench.llama_engine import EOG_BIAS_IDS, SPEC_TOKENS, TEXT_PROMPT, THREADS
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 REPEATS = 15
@@ -73,8 +73,7 @@ def _reply() -> tuple[list[int], list[int]]:
 
     llm = Llama(str(MODEL), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
     prompt = llm.tokenize(TEXT_PROMPT.encode(), add_bos=True, special=True)
-    bias = {int(k): float(v) for k, v in EOG_BIAS.items()}
-    out = llm.create_completion(TEXT_PROMPT, max_tokens=SPEC_TOKENS, temperature=0, logit_bias=bias)
+    out = llm.create_completion(TEXT_PROMPT, max_tokens=SPEC_TOKENS, temperature=0, logit_bias=EOG_BIAS_IDS)
     reply = llm.tokenize(out["choices"][0]["text"].encode(), add_bos=False, special=True)
     llm.close()
     return prompt, reply[:SPEC_TOKENS]

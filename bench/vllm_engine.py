@@ -44,8 +44,8 @@ def run(clients: int = 8) -> dict[str, Any]:
         url, key = engine_url(server)
         body = {"prompt": "Hello", "max_tokens": 8}
         httpx.post(url + "/v1/completions", json=body, headers=key, timeout=120).raise_for_status()  # warm-up
-        # and a warm-up round of 8 streams: vLLM compiles its graphs for the batch sizes it meets first, which made
-        # whichever side ran first in a round up to 2x slower (AMD EPYC, 2026-12-05: 151 against 318 tokens/s)
+        # and a warm-up round of 8 streams, so neither side's first round meets a cold engine (on an AMD EPYC,
+        # 2026-12-05, direct rounds were still up to 2x slower than through textgen after it: not understood)
         _concurrent(url, clients, headers=key)
         for n in range(ROUNDS):  # alternate, each side first in turn, to tame this machine's noise
             pair = [(direct, url, key), (ours, server.url, None)]
