@@ -4,7 +4,11 @@ the recorded greedy reply replayed through them with our planner, fixed draft le
 Each step feeds the pending token and a draft of k tokens (prompt lookup: what followed the latest match) and
 costs ``t(1 + k)`` (plus the graph switch when the step's size differs from the last one's); it yields the pending
 token and every draft token that holds. Plain decoding is ``t(1)`` a token. The oracle drafts exactly the run of
-the candidate that will hold (so no step pays for a rejected token) when that is quicker than plain steps.
+the candidate that will hold (so no step pays for a rejected token) when that is quicker than plain steps: it knows
+where the model will depart from the text, which no drafter is told. "Known odds" is the planner's decision rule
+(``best_length``) fed this reply's own odds, measured after the fact: the chance that the next candidate token holds
+after a streak of s that held in a row. It bounds a planner that decides from what held so far, however well it
+learns: what is left between it and the oracle is where in the text the model departs.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from bench.llama_engine import EOG_BIAS_IDS, SPEC_TOKENS, TEXT_PROMPT, THREADS
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 REPEATS = 15
+POOL = 8  # streaks of this many and more share one odds in "known odds" (fewer cases each beyond)
 
 
 def _decode_costs(prompt: list[int]) -> tuple[dict[int, float], float]:
@@ -79,17 +84,37 @@ def _reply() -> tuple[list[int], list[int]]:
     return prompt, reply[:SPEC_TOKENS]
 
 
+def streak_odds(prompt: list[int], reply: list[int]) -> list[float]:
+    """For s = 0..POOL: how often the candidate's first token was the reply's next one after s in a row were (POOL:
+    s >= POOL), over the whole reply."""
+    from modules.loaders.llama_cpp_spec import NgramIndex
+
+    index = NgramIndex(prompt + reply[:1])
+    tried, held = [0] * (POOL + 1), [0] * (POOL + 1)
+    streak = 0
+    for token in reply[1:]:
+        candidate, _ = index.draft(1)
+        hit = bool(candidate) and candidate[0] == token
+        tried[min(streak, POOL)] += 1
+        held[min(streak, POOL)] += hit
+        streak = streak + 1 if hit else 0
+        index.append(token)
+    return [h / t if t else 0.0 for h, t in zip(held, tried)]
+
+
 def replay(
     prompt: list[int], reply: list[int], cost: Any, policy: str, draft_max: int = 16, fixed: int = 3
 ) -> tuple[float, int, int]:
     """(seconds, steps, draft tokens) to produce ``reply`` under ``policy``: "planner" (our Speculator, its cost
-    line fed with the measured step times), "fixed" (always ``fixed`` tokens of the candidate), "oracle"."""
-    from modules.loaders.llama_cpp_spec import NgramIndex, SpecState, Speculator, StepCost, Work
+    line fed with the measured step times), "fixed" (always ``fixed`` tokens of the candidate), "known" (the
+    planner's rule with this reply's odds by streak, known in advance), "oracle"."""
+    from modules.loaders.llama_cpp_spec import NgramIndex, SpecState, Speculator, StepCost, Work, best_length
 
     index = NgramIndex(prompt + reply[:1])
     state = SpecState(index=index)
     planner = Speculator(StepCost(), draft_max)
-    seconds, steps, drafted, last = 0.0, 0, 0, 0
+    odds = streak_odds(prompt, reply) if policy == "known" else []
+    seconds, steps, drafted, last, streak = 0.0, 0, 0, 0, 0
     i = 1  # reply[0] came from the prompt's own step; reply[i - 1] is the pending token fed next
     while i < len(reply):
         candidate, _ = index.draft(min(draft_max, len(reply) - i))
@@ -98,6 +123,10 @@ def replay(
             k = planner.plan([Work(0, state, [], min(draft_max, len(reply) - i))], room=64)
         elif policy == "fixed":
             k = min(fixed, len(candidate))
+        elif policy == "known":
+            rates = [odds[min(streak + j, POOL)] for j in range(len(candidate))]
+            one = cost(1, last)
+            k, _ = best_length(rates, len(candidate), 1.0, one, lambda n: cost(1 + n, last) - one)
         else:  # the oracle: exactly the run that holds, when that beats plain steps
             k = holds if holds and cost(1 + holds, last) < (holds + 1) * cost(1, 1) else 0
         accepted = min(k, holds)
@@ -107,6 +136,8 @@ def replay(
             state.draft = candidate[:k]
             planner.cost.step(1 + k, step)
             state.record(reply[i], accepted)
+        # the streak goes on while drafts hold and the candidate's next token (checked for free) is the one that came
+        streak = 0 if accepted < k or holds == k or len(candidate) == k else streak + k + 1
         for token in reply[i : i + accepted + 1]:
             index.append(token)
         i += accepted + 1
@@ -139,7 +170,8 @@ def run() -> dict[str, Any]:
         "switch_ms": round(switch * 1000, 2),
         "reply_tokens": len(reply),
     }
-    for policy, label in (("planner", "planner"), ("fixed", "always_3"), ("oracle", "oracle")):
+    out["odds_by_streak"] = [round(x, 2) for x in streak_odds(prompt, reply)]
+    for policy, label in (("planner", "planner"), ("fixed", "always_3"), ("known", "known_odds"), ("oracle", "oracle")):
         seconds, steps, drafted = replay(prompt, reply, cost, policy)
         out[label] = {"speedup": round(plain / seconds, 3), "steps": steps, "draft_tokens": drafted}
     return out
