@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,34 +114,45 @@ def stream_completion(
     url: str, body: dict[str, Any], timeout: float = 300, headers: dict[str, str] | None = None
 ) -> StreamResult:
     """POST a streaming /v1/completions request and count the tokens: the usage record's count when the server
-    sends one (a chunk may carry several tokens), else the chunks that carry text."""
+    sends one (a chunk may carry several tokens), else the chunks that carry text.
+
+    The client shares the 2 cores with the server it measures, so while the stream runs it only reads each event
+    and notes when it came (the standard library's HTTP client, no JSON); the events are parsed after the stream."""
+    target = urllib.parse.urlsplit(url)
     started = time.perf_counter()
-    first = 0.0
-    tokens = 0
-    usage = 0
+    events: list[tuple[float, bytes]] = []
+    connection = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=timeout)
+    try:
+        connection.request(
+            "POST",
+            target.path.rstrip("/") + "/v1/completions",
+            json.dumps({**body, "stream": True}),
+            {"Content-Type": "application/json", **(headers or {})},
+        )
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {response.read()[:500]!r}")
+        readline, clock = response.readline, time.perf_counter
+        while line := readline():
+            if line.startswith(b"data: {"):
+                events.append((clock(), line))
+        ended = time.perf_counter()
+    finally:
+        connection.close()
+    tokens = usage = 0
     text: list[str] = []
     times: list[float] = []
     chars: list[int] = []
-    with httpx.stream(
-        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout, headers=headers
-    ) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                usage = int(data["usage"].get("completion_tokens") or 0)
-            if data.get("choices") and data["choices"][0].get("text"):
-                tokens += 1
-                text.append(data["choices"][0]["text"])
-                times.append(time.perf_counter())
-                chars.append(len(text[-1]))
-                if not first:
-                    first = time.perf_counter()
-    return StreamResult(
-        started, first or time.perf_counter(), time.perf_counter(), usage or tokens, "".join(text), times, chars
-    )
+    for when, line in events:
+        data = json.loads(line[6:])
+        if data.get("usage"):
+            usage = int(data["usage"].get("completion_tokens") or 0)
+        if data.get("choices") and data["choices"][0].get("text"):
+            tokens += 1
+            text.append(data["choices"][0]["text"])
+            times.append(when)
+            chars.append(len(text[-1]))
+    return StreamResult(started, times[0] if times else ended, ended, usage or tokens, "".join(text), times, chars)
 
 
 class CpuAccount:

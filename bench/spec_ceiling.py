@@ -99,7 +99,7 @@ def streak_odds(prompt: list[int], reply: list[int]) -> list[float]:
         held[min(streak, POOL)] += hit
         streak = streak + 1 if hit else 0
         index.append(token)
-    return [h / t if t else 0.0 for h, t in zip(held, tried)]
+    return [h / t if t else 0.0 for h, t in zip(held, tried, strict=True)]
 
 
 def replay(
@@ -126,7 +126,7 @@ def replay(
         elif policy == "known":
             rates = [odds[min(streak + j, POOL)] for j in range(len(candidate))]
             one = cost(1, last)
-            k, _ = best_length(rates, len(candidate), 1.0, one, lambda n: cost(1 + n, last) - one)
+            k, _ = best_length(rates, len(candidate), 1.0, one, lambda n, size=last, one=one: cost(1 + n, size) - one)
         else:  # the oracle: exactly the run that holds, when that beats plain steps
             k = holds if holds and cost(1 + holds, last) < (holds + 1) * cost(1, 1) else 0
         accepted = min(k, holds)
