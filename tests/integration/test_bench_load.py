@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from bench import load
 
 
@@ -37,3 +39,26 @@ def test_a_small_mixed_load_gets_no_5xx_and_leaves_every_slot_free() -> None:
     broken["slot_state_at_end"] = {"slots": 4.0, "busy_slots": 1.0, "queue_depth": 0.0}
     missed = load.failures(broken)
     assert any("5xx" in m for m in missed) and any("slots still busy" in m for m in missed)
+
+
+def test_the_bench_stream_client_counts_and_times_what_the_server_streamed(shared_server: object) -> None:
+    import httpx
+
+    from bench.common import stream_completion
+    from bench.llama_engine import EOG_BIAS
+
+    url = shared_server.url  # type: ignore[attr-defined]
+    body = {"prompt": "Count: one, two, three,", "max_tokens": 12, "temperature": 0, "logit_bias": EOG_BIAS}
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    streamed = stream_completion(url, {**body, "stream_options": {"include_usage": True}})
+
+    assert streamed.text == whole["choices"][0]["text"]
+    assert streamed.tokens == whole["usage"]["completion_tokens"] == 12
+    assert len(streamed.chunk_times) == len(streamed.chunk_chars) >= 1
+    assert sum(streamed.chunk_chars) == len(streamed.text)
+    assert streamed.started < streamed.first_token == streamed.chunk_times[0] <= streamed.chunk_times[-1]
+    assert streamed.chunk_times[-1] <= streamed.ended
+    assert streamed.tokens_between(streamed.started, streamed.ended) == 12
+
+    with pytest.raises(RuntimeError, match="HTTP 4"):  # a client mistake is the tool's error, not an empty result
+        stream_completion(url, {**body, "max_tokens": -1})
