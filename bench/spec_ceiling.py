@@ -7,8 +7,8 @@ token and every draft token that holds. Plain decoding is ``t(1)`` a token. The 
 the candidate that will hold (so no step pays for a rejected token) when that is quicker than plain steps: it knows
 where the model will depart from the text, which no drafter is told. "Known odds" is the planner's decision rule
 (``best_length``) fed this reply's own odds, measured after the fact: the chance that the next candidate token holds
-after a streak of s that held in a row. It bounds a planner that decides from what held so far, however well it
-learns: what is left between it and the oracle is where in the text the model departs.
+after a streak of s that held in a row. It bounds a planner that decides with this rule from the streak, however
+well it learns the odds: what is left between it and the oracle is where in the text the model departs.
 """
 
 from __future__ import annotations
@@ -103,17 +103,24 @@ def streak_odds(prompt: list[int], reply: list[int]) -> list[float]:
 
 
 def replay(
-    prompt: list[int], reply: list[int], cost: Any, policy: str, draft_max: int = 16, fixed: int = 3
+    prompt: list[int],
+    reply: list[int],
+    cost: Any,
+    policy: str,
+    draft_max: int = 16,
+    fixed: int = 3,
+    odds: list[float] | None = None,
 ) -> tuple[float, int, int]:
     """(seconds, steps, draft tokens) to produce ``reply`` under ``policy``: "planner" (our Speculator, its cost
     line fed with the measured step times), "fixed" (always ``fixed`` tokens of the candidate), "known" (the
-    planner's rule with this reply's odds by streak, known in advance), "oracle"."""
+    planner's rule with this reply's odds by streak, known in advance: ``odds``, else measured here), "oracle"."""
     from modules.loaders.llama_cpp_spec import NgramIndex, SpecState, Speculator, StepCost, Work, best_length
 
     index = NgramIndex(prompt + reply[:1])
     state = SpecState(index=index)
     planner = Speculator(StepCost(), draft_max)
-    odds = streak_odds(prompt, reply) if policy == "known" else []
+    if policy == "known" and odds is None:
+        odds = streak_odds(prompt, reply)
     seconds, steps, drafted, last, streak = 0.0, 0, 0, 0, 0
     i = 1  # reply[0] came from the prompt's own step; reply[i - 1] is the pending token fed next
     while i < len(reply):
@@ -124,6 +131,7 @@ def replay(
         elif policy == "fixed":
             k = min(fixed, len(candidate))
         elif policy == "known":
+            assert odds is not None
             rates = [odds[min(streak + j, POOL)] for j in range(len(candidate))]
             one = cost(1, last)
             k, _ = best_length(rates, len(candidate), 1.0, one, lambda n, size=last, one=one: cost(1 + n, size) - one)
@@ -170,9 +178,10 @@ def run() -> dict[str, Any]:
         "switch_ms": round(switch * 1000, 2),
         "reply_tokens": len(reply),
     }
-    out["odds_by_streak"] = [round(x, 2) for x in streak_odds(prompt, reply)]
+    odds = streak_odds(prompt, reply)
+    out["odds_by_streak"] = [round(x, 2) for x in odds]
     for policy, label in (("planner", "planner"), ("fixed", "always_3"), ("known", "known_odds"), ("oracle", "oracle")):
-        seconds, steps, drafted = replay(prompt, reply, cost, policy)
+        seconds, steps, drafted = replay(prompt, reply, cost, policy, odds=odds)
         out[label] = {"speedup": round(plain / seconds, 3), "steps": steps, "draft_tokens": drafted}
     return out
 
