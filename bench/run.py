@@ -200,7 +200,7 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 f"{r[key]['speedup']:.2f}",
                 {
                     "oracle": "knows where the model departs from the text",
-                    "known_odds": "the ceiling of deciding from the streak",
+                    "known_odds": "for the record (this reply's odds by streak, known in advance)",
                 }.get(key, "for the record"),
             )
             for key, label in (
