@@ -209,6 +209,22 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 ("known_odds", "known odds by streak"),
                 ("oracle", "oracle"),
             )
+        ] + [
+            (
+                f"rewrite measured in-process ({r['cpu']}): {label}",
+                f"{m[key]['tokens_per_s']:.1f}",
+                f"{m['raw_tokens_per_s']:.1f} (Llama.create_completion)",
+                f"{m[key]['ratio_vs_raw']:.3f}",
+                note,
+            )
+            for m in [r["measured"]]
+            for key, label, note in (
+                ("off", "speculation off", "for the record"),
+                ("planner", "our planner", "for the record"),
+                ("oracle_16", "oracle, 16 at most", "knows where the model departs from the text"),
+                ("oracle_64", "oracle, 64 at most", "knows where the model departs from the text"),
+                ("perfect_64", "perfect drafter, 64 at most", "drafts the reply itself: no drafter does better"),
+            )
         ]
     if name == "transformers":
         return [

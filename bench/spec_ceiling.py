@@ -153,8 +153,121 @@ def replay(
     return seconds, steps, drafted
 
 
+class _Oracle:
+    """A speculator for ``measured``: drafts, for one greedy reply known in advance, exactly the run of prompt
+    lookup's candidate that will hold (``perfect``: of the reply itself, as a drafter that knows the text would),
+    when a step of that size yields more tokens per second than a one-token step."""
+
+    def __init__(self, planner: Any, full: list[int], draft_max: int, perfect: bool = False) -> None:
+        self.planner, self.full, self.draft_max, self.perfect = planner, full, draft_max, perfect
+        self.cost, self.draft_model = planner.cost, None
+        self.drafted = self.accepted = 0
+
+    def plan(self, work: list[Any], room: int) -> int:
+        from modules.loaders.llama_cpp_spec import common_prefix
+
+        total = 0
+        cost = self.cost
+        for item in work:
+            state = item.state
+            done = state.index.tokens
+            future = self.full[len(done) :]
+            limit = min(item.limit, self.draft_max, room - total)
+            if limit <= 0:
+                continue
+            candidate = future[:limit] if self.perfect else state.index.draft(limit)[0]
+            k = common_prefix(candidate, future)
+            if k and cost.time(1 + k) >= (1 + k) * cost.time(1):
+                k = 0
+            state.draft, state.shadow = candidate[:k], None
+            state.drafted += k
+            self.drafted += k
+            total += k
+        return total
+
+    def confirmed(self, state: Any) -> None:
+        state.accepted += 1
+        self.accepted += 1
+
+    def close(self) -> None:
+        self.planner.close()
+
+
+def measured(rounds: int = 4) -> dict[str, Any]:
+    """The rewrite run for real in this process (textgen's scheduler, no HTTP) with speculation off, our planner
+    and two oracles that know the reply in advance, against raw ``Llama.create_completion``, runs alternating:
+    the ceiling measured rather than replayed. The prompt-lookup oracle drafts exactly the part of the candidate
+    that will hold (at most 16 tokens, the default ``--draft-max``, or 64, the most the planner takes); the perfect
+    drafter drafts the reply itself (64 at most), as a draft model that never misses and costs nothing would."""
+    from llama_cpp import Llama
+
+    from modules.generation.params import GenerationParams
+    from modules.loaders.llama_cpp import LlamaCppBackend
+    from modules.loaders.llama_cpp_spec import MAX_DEPTH
+
+    raw = Llama(str(MODEL), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, n_batch=512, verbose=False)
+    backend = LlamaCppBackend.load(MODEL, {"threads": THREADS, "parallel": 1})
+    planner = backend._spec
+    assert planner is not None, "speculation is off in this build"
+    prompt = backend.encode(TEXT_PROMPT)
+    params = GenerationParams(max_new_tokens=SPEC_TOKENS, temperature=0, logit_bias=EOG_BIAS_IDS)
+    texts: dict[str, list[int]] = {}
+    runs: dict[str, list[float]] = {}
+    drafted: dict[str, tuple[int, int]] = {}
+
+    def ours(name: str, spec: Any) -> None:
+        import threading
+
+        backend._spec = spec
+        before = (spec.drafted, spec.accepted) if spec is not None else (0, 0)
+        started = time.perf_counter()
+        tokens = [e.token_id for e in backend.generate(prompt, params, threading.Event()) if e.token_id >= 0]
+        runs.setdefault(name, []).append(len(tokens) / (time.perf_counter() - started))
+        texts[name] = tokens
+        if spec is not None:
+            drafted[name] = (spec.drafted - before[0], spec.accepted - before[1])
+
+    def local() -> None:
+        started = time.perf_counter()
+        out = raw.create_completion(TEXT_PROMPT, max_tokens=SPEC_TOKENS, temperature=0, logit_bias=EOG_BIAS_IDS)
+        runs.setdefault("raw", []).append(out["usage"]["completion_tokens"] / (time.perf_counter() - started))
+
+    try:
+        local()
+        ours("off", None)  # warm-up, and the reply the oracles are told
+        full = prompt + texts["off"]
+        oracles = {
+            "oracle_16": _Oracle(planner, full, 16),
+            "oracle_64": _Oracle(planner, full, MAX_DEPTH),
+            "perfect_64": _Oracle(planner, full, MAX_DEPTH, perfect=True),
+        }
+        ours("planner", planner)
+        for round_ in range(rounds):
+            steps = [local, lambda: ours("off", None), lambda: ours("planner", planner)]
+            steps += [lambda name=name, spec=spec: ours(name, spec) for name, spec in oracles.items()]
+            for step in steps if round_ % 2 == 0 else steps[::-1]:
+                time.sleep(0.2)
+                step()
+    finally:
+        backend._spec = planner
+        backend.unload()
+        raw.close()
+    med = {k: statistics.median(v[-rounds:]) for k, v in runs.items()}
+    out: dict[str, Any] = {"raw_tokens_per_s": round(med["raw"], 1), "reply_tokens": len(texts["off"])}
+    for name in ("off", "planner", "oracle_16", "oracle_64", "perfect_64"):
+        out[name] = {
+            "tokens_per_s": round(med[name], 1),
+            "ratio_vs_raw": round(med[name] / med["raw"], 3),
+            "same_reply": texts[name] == texts["off"],
+        }
+        if name in drafted:
+            out[name]["drafted_accepted_last_run"] = drafted[name]
+    out["runs"] = {k: [round(x, 1) for x in v] for k, v in runs.items()}
+    return out
+
+
 def run() -> dict[str, Any]:
-    """Step costs on this CPU and the rewrite's ceiling (replayed, no server)."""
+    """Step costs on this CPU and the rewrite's ceiling: replayed, then measured in this process."""
     prompt, reply = _reply()
     costs, switch = _decode_costs(prompt)
     sizes = sorted(costs)
@@ -184,6 +297,7 @@ def run() -> dict[str, Any]:
     for policy, label in (("planner", "planner"), ("fixed", "always_3"), ("known", "known_odds"), ("oracle", "oracle")):
         seconds, steps, drafted = replay(prompt, reply, cost, policy, odds=odds)
         out[label] = {"speedup": round(plain / seconds, 3), "steps": steps, "draft_tokens": drafted}
+    out["measured"] = measured()
     return out
 
 
