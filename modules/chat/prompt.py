@@ -173,9 +173,10 @@ def _builder(
 
     def build_chat_instruct(history: list[Message]) -> str:
         transcript = _transcript(history, character, user, False)
-        command = options.chat_instruct_command.replace("<|character|>", character.name)
+        # The command's placeholders are filled before the transcript goes in: what people wrote stays as written.
+        command = _substitute(options.chat_instruct_command.replace("<|character|>", character.name), character, user)
         command = command.replace("<|prompt|>", (context + "\n\n" if context else "") + transcript)
-        messages: list[Message] = [{"role": "user", "content": _substitute(command, character, user)}]
+        messages: list[Message] = [{"role": "user", "content": command}]
         prompt = render_messages(backend, messages, template=template, **extra)
         return prompt + f"{character.name}:" + (" " + options.start_with if options.start_with else "")
 

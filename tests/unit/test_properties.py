@@ -206,6 +206,7 @@ HUB_SETTINGS = settings(
 
 @HUB_SETTINGS
 @given(history=messages_strategy, mode=st.sampled_from(["instruct", "chat", "chat-instruct"]))
+@example(history=[{"role": "user", "content": "{{char}} and {{user}}"}], mode="chat-instruct")  # kept as written
 def test_any_history_builds_a_prompt_with_every_message_in_order(
     hub: object, history: list[dict[str, str]], mode: str
 ) -> None:
