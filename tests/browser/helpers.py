@@ -15,8 +15,10 @@ def wait_page_loaded(page, timeout: float = 60_000) -> None:
 
 
 def new_chat(page) -> None:
+    """Start a new chat and wait until the old one has left the page (a loaded machine renders late)."""
     page.click("#new-chat")
     page.wait_for_timeout(300)
+    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=user]').length === 0")
 
 
 def choose(page, selector: str, value: str) -> None:

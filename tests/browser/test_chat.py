@@ -47,8 +47,12 @@ def test_stop_ends_a_long_reply(page, shared_server) -> None:
     page.get_by_role("tab", name="Chat").click()
     page.locator("#chat-input textarea").fill("Write a very long story about a dragon and a knight.")
     page.click("#send")
+    # the reply to this message, not an older one still on a slow page: Stop must land while it streams
     page.wait_for_function(
-        "() => ([...document.querySelectorAll('#chatbot [data-testid=bot]')].pop()?.innerText || '').length > 80"
+        "() => { const all = [...document.querySelectorAll('#chatbot [data-testid=user], #chatbot [data-testid=bot]')];"
+        " const asked = all.findLastIndex(m => m.dataset.testid === 'user' && m.innerText.includes('dragon'));"
+        " const reply = asked < 0 ? null : all.slice(asked + 1).find(m => m.dataset.testid === 'bot');"
+        " return !!reply && reply.innerText.length > 80; }"
     )
     page.click("#stop")
     page.wait_for_function(
