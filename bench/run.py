@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "transformers": transformers_engine.pipeline_vs_generate,
     "transformers_concurrency": transformers_engine.concurrency,
     "ui_latency": ui_bench.run,
+    "ui_page_speed": ui_bench.page_speeds,
     "load": load.run,
     "vllm": vllm_engine.run,
 }
@@ -189,6 +190,17 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 if "long_show_all" in r
                 else []
             ),
+        ]
+    if name == "ui_page_speed":
+        return [
+            (
+                f"UI: a {run['tokens']}-token reply with the page open, {run['rate']:g} updates/s: tokens/s",
+                f"{run['ui_tokens_per_s']:.1f}",
+                f"{run['api_tokens_per_s']:.1f} (the same server's API, no page)",
+                f"{run['ratio']:.2f}",
+                r["target"],
+            )
+            for run in r["runs"]
         ]
     if name == "spec_ceiling":
         steps = r["step_ms"]

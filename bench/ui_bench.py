@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.common import Server, free_port, machine, percentile, write_result
 from modules.ui.chat_tab import WINDOW
 
@@ -147,6 +149,59 @@ def measure(n_messages: int, tokens: int = 64, show_all: bool = False) -> dict[s
         "p95_ms": percentile(latencies, 0.95),
         "mean_ms": statistics.fmean(latencies),
     }
+
+
+def page_speed(rate: float, tokens: int = 512) -> dict[str, Any]:
+    """How fast a reply is written with the chat page open and updated at most ``rate`` times a second, against
+    the same server's API writing the same number of tokens with no page (the browser and llama.cpp share the
+    cores: every repaint is time the model does not get)."""
+    import re
+
+    from playwright.sync_api import sync_playwright
+
+    user_data = Path(tempfile.mkdtemp(prefix="ui-speed-"))
+    (user_data / "settings.yaml").write_text(f"max_updates_second: {rate}\n")
+    port = free_port()
+    argv = [sys.executable, "server.py", "--listen-port", str(port), "--user-data-dir", str(user_data)]
+    prompt = "Write a very long story about a dragon and a knight."
+    with Server(argv, port, "/health") as server, sync_playwright() as p:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "ban_eos": True}
+        api = []
+        for _ in range(2):  # the first one warms the server up
+            t0 = time.perf_counter()
+            reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300).json()
+            api.append(reply["usage"]["completion_tokens"] / (time.perf_counter() - t0))
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(server.url, wait_until="domcontentloaded")
+        page.wait_for_function("() => document.body.dataset.pageLoaded === '1'", timeout=120_000)
+        page.get_by_role("tab", name="Parameters").click()
+        box = page.locator("#param-max_new_tokens input[type=number]")
+        box.fill(str(tokens))
+        box.press("Enter")
+        page.locator("#param-ban_eos input").check()
+        page.get_by_role("tab", name="Chat").click()
+        page.fill("#chat-input textarea", prompt)
+        page.click("#send")
+        page.wait_for_function(
+            "() => (document.querySelector('#chat-status [data-testid=markdown]')?.innerText || '').includes('finish:')",
+            timeout=300_000,
+        )
+        line = page.inner_text("#chat-status [data-testid=markdown]")
+        browser.close()
+    found = re.search(r"([\d.]+) tokens/s", line)
+    if not found:
+        raise RuntimeError(f"no speed in the status line: {line}")
+    ui = float(found.group(1))
+    return {"rate": rate, "tokens": tokens, "ui_tokens_per_s": ui, "api_tokens_per_s": api[-1],
+            "ratio": ui / api[-1], "status": line}  # fmt: skip
+
+
+def page_speeds() -> dict[str, Any]:
+    """The default update rate and the old one (20 a second), for the record."""
+    from modules.ui.chat_tab import DEFAULT_UPDATES_PER_SECOND
+
+    return {"runs": [page_speed(DEFAULT_UPDATES_PER_SECOND), page_speed(20)], "target": "none (for the record)"}
 
 
 def run() -> dict[str, Any]:
