@@ -79,6 +79,26 @@ def conversation(n: int) -> dict[str, Any]:
     }
 
 
+def reply_of_length(page: Any, tokens: int) -> None:
+    """Set the Parameters tab so the next reply is exactly ``tokens`` long (EOS banned), back on the Chat tab."""
+    page.get_by_role("tab", name="Parameters").click()
+    box = page.locator("#param-max_new_tokens input[type=number]")
+    box.fill(str(tokens))
+    box.press("Enter")
+    page.locator("#param-ban_eos input").check()
+    page.get_by_role("tab", name="Chat").click()
+
+
+def send_and_finish(page: Any, text: str, timeout: float) -> None:
+    """Send a chat message and wait until the status line says the reply finished."""
+    page.fill("#chat-input textarea", text)
+    page.click("#send")
+    page.wait_for_function(
+        "() => (document.querySelector('#chat-status [data-testid=markdown]')?.innerText || '').includes('finish:')",
+        timeout=timeout,
+    )
+
+
 def measure(n_messages: int, tokens: int = 64, show_all: bool = False) -> dict[str, Any]:
     """Open a chat holding ``n_messages``, send one more, and time arrival-to-paint of every streamed update.
 
@@ -118,19 +138,9 @@ def measure(n_messages: int, tokens: int = 64, show_all: bool = False) -> dict[s
             )
         page.wait_for_timeout(1000)
         page.evaluate("window.__watch()")
-        page.get_by_role("tab", name="Parameters").click()
-        box = page.locator("#param-max_new_tokens input[type=number]")
-        box.fill(str(tokens))
-        box.press("Enter")
-        page.locator("#param-ban_eos input").check()
-        page.get_by_role("tab", name="Chat").click()
+        reply_of_length(page, tokens)
         page.evaluate("() => { window.__arrivals = []; window.__paints = []; }")
-        page.fill("#chat-input textarea", "And how do I sort in reverse order?")
-        page.click("#send")
-        page.wait_for_function(
-            "() => (document.querySelector('#chat-status [data-testid=markdown]')?.innerText || '').includes('finish:')",
-            timeout=180_000,
-        )
+        send_and_finish(page, "And how do I sort in reverse order?", timeout=180_000)
         page.wait_for_timeout(500)
         arrivals, paints = page.evaluate("[window.__arrivals, window.__paints]")
         browser.close()
@@ -175,18 +185,8 @@ def page_speed(rate: float, tokens: int = 512) -> dict[str, Any]:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(server.url, wait_until="domcontentloaded")
         page.wait_for_function("() => document.body.dataset.pageLoaded === '1'", timeout=120_000)
-        page.get_by_role("tab", name="Parameters").click()
-        box = page.locator("#param-max_new_tokens input[type=number]")
-        box.fill(str(tokens))
-        box.press("Enter")
-        page.locator("#param-ban_eos input").check()
-        page.get_by_role("tab", name="Chat").click()
-        page.fill("#chat-input textarea", prompt)
-        page.click("#send")
-        page.wait_for_function(
-            "() => (document.querySelector('#chat-status [data-testid=markdown]')?.innerText || '').includes('finish:')",
-            timeout=300_000,
-        )
+        reply_of_length(page, tokens)
+        send_and_finish(page, prompt, timeout=300_000)
         line = page.inner_text("#chat-status [data-testid=markdown]")
         browser.close()
     found = re.search(r"([\d.]+) tokens/s", line)
