@@ -361,8 +361,9 @@ def test_a_long_embedding_is_the_mean_over_its_tokens_and_lets_a_stream_go_on(wi
     finally:
         holder.close()
         reference_ctx.close()
-    assert np.abs(np.array(backend.embed([text])[0]) - reference).max() < 1e-4
 
+    # the backend's vector is read while a stream decodes beside it: its chunks are tasks between the stream's
+    # steps (read alone first, it cost this test another ~1200-token read and proved nothing more)
     ids = chat_ids(backend, "Write a short story about a lighthouse keeper.")
     gaps: list[float] = []
     started, done = threading.Event(), threading.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,23 @@ def plain() -> LlamaCppBackend:
     backend.unload()
 
 
+GREEDY_128 = GenerationParams(temperature=0, max_new_tokens=128, ban_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_reply(plain: LlamaCppBackend) -> Callable[[str], list[TokenEvent]]:
+    """The plain engine's greedy 128-token reply to a prompt, computed once per module: greedy decoding on one
+    build is deterministic, and several tests compare against the same replies (a long prompt costs seconds)."""
+    replies: dict[str, list[TokenEvent]] = {}
+
+    def reply(text: str) -> list[TokenEvent]:
+        if text not in replies:
+            replies[text] = events(plain, chat(plain, text), GREEDY_128)
+        return replies[text]
+
+    return reply
+
+
 @pytest.fixture(scope="module")
 def planned() -> LlamaCppBackend:
     """Speculation as users get it: the planner drafts only what it expects to pay on this CPU (maybe nothing)."""
@@ -82,17 +100,15 @@ def spec() -> LlamaCppBackend:
 
 @pytest.mark.parametrize("which", ["planned", "forced"])
 def test_speculative_greedy_equals_plain_greedy(
-    plain: LlamaCppBackend, planned: LlamaCppBackend, spec: LlamaCppBackend, which: str
+    plain_reply: Callable[[str], list[TokenEvent]], planned: LlamaCppBackend, spec: LlamaCppBackend, which: str
 ) -> None:
     from modules.loaders import llama_cpp_check
 
     assert llama_cpp_check.batch_invariant()  # built by the Makefile
     backend = planned if which == "planned" else spec
-    params = GenerationParams(temperature=0, max_new_tokens=128, ban_eos=True)
     before = backend.stats()
     for text in PROMPTS:
-        ids = chat(backend, text)
-        want, got = events(plain, ids, params), events(backend, ids, params)
+        want, got = plain_reply(text), events(backend, chat(backend, text), GREEDY_128)
         assert tokens(got) == tokens(want), text
         assert len(tokens(got)) == 128
         assert want[-1].speculation is None
@@ -199,14 +215,15 @@ def test_cancelling_mid_draft_frees_the_slot_and_keeps_the_cache_right(
 
 
 def test_concurrent_speculative_streams_equal_plain_streams_alone(
-    plain: LlamaCppBackend, spec: LlamaCppBackend
+    plain_reply: Callable[[str], list[TokenEvent]], spec: LlamaCppBackend
 ) -> None:
-    params = GenerationParams(temperature=0, max_new_tokens=128, ban_eos=True)
-    prompts = [chat(spec, PROMPTS[4]), chat(spec, PROMPTS[1])]  # a long copying one beside a story
-    alone = [tokens(events(plain, ids, params)) for ids in prompts]
+    texts = [PROMPTS[4], PROMPTS[1]]  # a long copying one beside a story
+    alone = [tokens(plain_reply(text)) for text in texts]
     together: dict[int, list[int]] = {}
     threads = [
-        threading.Thread(target=lambda i=i: together.__setitem__(i, tokens(events(spec, prompts[i], params))))
+        threading.Thread(
+            target=lambda i=i: together.__setitem__(i, tokens(events(spec, chat(spec, texts[i]), GREEDY_128)))
+        )
         for i in range(2)
     ]
     for thread in threads:
@@ -223,8 +240,8 @@ def test_draft_model_output_is_the_target_model_s(plain: LlamaCppBackend, tmp_pa
     try:
         # a story (prompt lookup finds little, a draft model guesses well), and beside it a prompt longer than
         # the draft model's 512-token chunk while the story is decoding
-        story, long = chat(backend, PROMPTS[1]), chat(backend, PROMPTS[4] + PROMPTS[4])
-        assert len(long) > 600
+        story, long = chat(backend, PROMPTS[1]), chat(backend, PROMPTS[4])
+        assert len(long) > 600  # ~720 tokens: more than one of the drafter's 512-token chunks
         plain_long = tokens(events(plain, long, params))  # read once: each costs a long prompt and 64 tokens
         got = events(backend, story, params)
         assert tokens(got) == tokens(events(plain, story, params))
