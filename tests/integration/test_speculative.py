@@ -189,7 +189,7 @@ def test_cancelling_mid_draft_frees_the_slot_and_keeps_the_cache_right(
     plain: LlamaCppBackend, spec: LlamaCppBackend
 ) -> None:
     ids = chat(spec, PROMPTS[3])
-    params = GenerationParams(temperature=0, max_new_tokens=128, ban_eos=True)
+    params = GREEDY_128
     cancel = threading.Event()
     seen = []
     stream = spec.generate(ids, params, cancel)
