@@ -44,6 +44,9 @@ def test_stop_ends_a_long_reply(page, shared_server) -> None:
     new_chat(page)
     page.get_by_role("tab", name="Parameters").click()
     choose(page, "#preset-dropdown", "Creative")
+    page.wait_for_function("() => document.querySelector('#param-temperature input[type=number]')?.value === '1.3'")
+    # a sampled reply could end on its own before Stop lands: it may not end here
+    page.check("#param-ban_eos input[type=checkbox]")
     page.get_by_role("tab", name="Chat").click()
     page.locator("#chat-input textarea").fill("Write a very long story about a dragon and a knight.")
     page.click("#send")

@@ -25,7 +25,7 @@ def test_plan_memory_and_download_in_the_model_tab(page, live_server_factory, tm
     try:
         hub.add_repo("org/other-GGUF", {"other-Q8_0.gguf": os.urandom(4096), "other-Q4_K_M.gguf": os.urandom(3 * MiB)})
         hub.add_repo("org/slow", {"config.json": b"{}", "model.safetensors": os.urandom(40 * MiB)})
-        hub.slow[("org/slow", "model.safetensors")] = 0.2
+        hub.slow[("org/slow", "model.safetensors")] = 0.6  # 24 s in all: Cancel lands while it runs on a slow page
         models = tmp_path / "models"
         models.mkdir()
         (models / DEFAULT_MODEL).symlink_to(default_model_path())

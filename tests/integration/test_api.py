@@ -77,7 +77,8 @@ def test_streaming_matches_the_plain_reply_and_reports_usage(client: openai.Open
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 3, "the reply must stream in pieces"
+    # in pieces; not counted finer: a server whose event loop runs late sends what has come since as one chunk
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2, "the reply must stream in pieces"
 
 
 def test_n_choices_with_a_seed_are_reproducible(client: openai.OpenAI) -> None:
@@ -117,7 +118,8 @@ def test_streaming_n_interleaves_by_index(client: openai.OpenAI) -> None:
             order.append(choice.index)
     assert texts == {c.index: c.message.content for c in plain.choices}
     switches = sum(1 for a, b in itertools.pairwise(order) if a != b)
-    assert switches >= 4, f"the two streams should interleave, got {order}"
+    # one stream after the other switches once; a late event loop merges what has come into a chunk per choice
+    assert switches >= 2, f"the two streams should interleave, got {order}"
 
 
 def test_stop_strings(client: openai.OpenAI) -> None:

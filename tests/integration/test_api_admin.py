@@ -124,13 +124,14 @@ def test_disconnect_stops_generation(shared_server) -> None:
     assert "finish: cancelled" in shared_server.log()
 
 
-def _wait_idle(server, seconds: float) -> str:
+def _wait_idle(server, seconds: float, busy_slots: int = 0) -> str:
+    """The /metrics line of busy slots once it shows `busy_slots` (or the last one seen after `seconds`)."""
     deadline = time.monotonic() + seconds
     busy = ""
     while time.monotonic() < deadline:
         metrics = httpx.get(server.url + "/metrics").text
         busy = next(line for line in metrics.splitlines() if line.startswith("textgen_busy_slots"))
-        if busy.endswith(" 0"):
+        if busy.endswith(f" {busy_slots}"):
             break
         time.sleep(0.1)
     return busy
@@ -150,17 +151,28 @@ def test_disconnect_stops_a_non_streaming_generation(shared_server) -> None:
 
 def test_full_queue_answers_503_with_retry_after(live_server_factory, tmp_path: Path) -> None:
     server = live_server_factory("--parallel", "1", "--max-queue", "0", "--user-data-dir", str(tmp_path / "ud"))
-    body = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 300, "ban_eos": True}
+    # the first request holds the one slot until the second has been answered (it streams, and hangs up after), and the
+    # second goes in only once the first is seen generating: a fixed sleep was too short on a loaded machine and too
+    # long on a fast one
+    body = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 3000, "ban_eos": True}
+    answered = threading.Event()
     results: list[int] = []
-    first = threading.Thread(
-        target=lambda: results.append(
-            httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).status_code
-        )
-    )
+
+    def first_request() -> None:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+            results.append(r.status_code)
+            for _ in r.iter_lines():
+                if answered.is_set():
+                    break
+
+    first = threading.Thread(target=first_request)
     first.start()
-    time.sleep(1.0)
-    busy = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 5}, timeout=60)
-    first.join()
+    try:
+        assert _wait_idle(server, 60, busy_slots=1).endswith(" 1")
+        busy = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 5}, timeout=60)
+    finally:
+        answered.set()
+        first.join(60)
     assert results == [200]
     assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
     assert busy.json()["error"]["code"] == "server_busy"

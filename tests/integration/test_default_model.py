@@ -60,14 +60,17 @@ def test_cancel_ends_generation_within_a_step(with_default_model: Path) -> None:
     backend = models.load_model(DEFAULT_MODEL)
     prompt = render_messages(backend, [{"role": "user", "content": "Tell me a long story."}])
     cancel = threading.Event()
+    steps_at_cancel = -1
     stream = generate_reply(prompt, GenerationParams(max_new_tokens=400, ban_eos=True), cancel=cancel)
     for seen, delta in enumerate(stream, start=1):
         if seen == 5:
             cancel.set()
+            steps_at_cancel = backend.stats()["steps"]
         if delta.stats:
             assert delta.stats.finish_reason == "cancelled"
-            # counted in steps: a step also brings the draft tokens it confirmed (speculative decoding)
-            assert delta.stats.new_tokens - delta.stats.accepted_tokens < 12
+            # counted in the engine's steps (a step may also bring draft tokens it confirmed), not in tokens the
+            # reader saw: the engine does not wait for its reader
+            assert backend.stats()["steps"] - steps_at_cancel <= 2
     assert backend.stats()["busy_slots"] == 0
 
 

@@ -24,7 +24,8 @@ def fake_hub() -> Iterator[FakeHub]:
     server.add_repo("org/smol-GGUF", {DEFAULT_MODEL: default_model_path(), "README.md": b"# smol"})
     server.add_repo("org/slow", {"config.json": b"{}", "model.safetensors": os.urandom(24 * MiB)})
     server.add_repo("org/gated", {"config.json": b"{}", "model.safetensors": os.urandom(4096)}, gated=True)
-    server.slow[("org/slow", "model.safetensors")] = 0.15
+    # 7 s in all: time to look and cancel (progress may show only after several MiB)
+    server.slow[("org/slow", "model.safetensors")] = 0.3
     yield server
     server.stop()
 

@@ -55,7 +55,7 @@ def test_chat_streamed_and_not(client: ollama.Client) -> None:
     for duration in (reply.total_duration, reply.prompt_eval_duration, reply.eval_duration):
         assert duration and duration > 1000  # nanoseconds
     parts = list(client.chat(model=DEFAULT_MODEL, messages=CAPITAL, options=GREEDY, stream=True))
-    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and len(parts) > 3
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and len(parts) >= 3  # 2+ pieces, then done
     assert "".join(p.message.content or "" for p in parts) == reply.message.content
     assert parts[-1].eval_count == reply.eval_count and parts[-1].done_reason == "stop"
 

@@ -57,22 +57,31 @@ def test_four_requests_share_forward_passes_and_answer_as_alone(hub: object, mod
 def test_cancelling_one_stream_frees_its_slot_and_leaves_the_others_running(tiny: Path) -> None:
     backend = models.load_model("tiny-llama", {"parallel": 3})
     ids = backend.encode("Once upon a time")
-    long = GenerationParams(temperature=0, max_new_tokens=400, ban_eos=True)
+    # long enough that the other two are still running however long this thread is held up; they are cancelled at
+    # the end, which also shows they were still running
+    long = GenerationParams(temperature=0, max_new_tokens=5000, ban_eos=True)
     cancels = [threading.Event() for _ in range(3)]
+    steps_before = backend.stats()["steps"]
     streams = [backend.generate(ids, long.replace(seed=i), cancels[i]) for i in range(3)]
     for stream in streams:
         assert next(stream).token_id >= 0
     cancels[1].set()
+    steps_at_cancel = backend.stats()["steps"]
     events = list(streams[1])
-    assert events[-1].finish_reason == "cancelled" and len(events) < 100
+    assert events[-1].finish_reason == "cancelled"
+    # it left the batch within two steps of the cancel: a stream brings at most a token a step (its tokens: the one
+    # read above and all events but the last), counted in the engine's steps, not by how soon this thread read them
+    # (the engine does not wait for its reader)
+    assert len(events) <= steps_at_cancel - steps_before + 2
     stats = backend.stats()
     assert stats["busy_slots"] == 2 and stats["queue_depth"] == 0  # freed at once; the other two still run
     newcomer = backend.generate(ids, GenerationParams(temperature=0, max_new_tokens=5, ban_eos=True), threading.Event())
     assert [e.finish_reason for e in newcomer][-1] == "length"
     assert backend.stats()["busy_slots"] == 2  # it took the freed slot and ended while the long two still run
+    cancels[0].set()
+    cancels[2].set()
     for stream in (streams[0], streams[2]):
-        rest: list[TokenEvent] = list(stream)
-        assert rest[-1].finish_reason == "length" and len(rest) == 399
+        assert list(stream)[-1].finish_reason == "cancelled"
     assert backend.stats()["busy_slots"] == 0
 
 
