@@ -163,3 +163,12 @@ def test_a_text_generation_webui_launch_line_serves_the_api(live_server_factory,
     log = server.log()
     assert "Loaded extension example" in log and "Loaded extension openai" in log  # --extensions kept the API
     assert "--api: ignored, the API is on by default" in log and f"http://127.0.0.1:{api_port}" in log
+
+
+def test_the_idle_ui_queue_does_not_poll_every_millisecond(tiny: Path) -> None:
+    """Gradio's queue looked for work every 1 ms while it had none: 6.5% of a core for an idle server on 2 cores.
+    If Gradio renames what modules/ui/app.py:quiet_queue sets, the setting silently does nothing: this says so."""
+    from modules.ui.app import QUEUE_IDLE_POLL_S, build_ui
+
+    demo = build_ui()
+    assert demo._queue.sleep_when_free == QUEUE_IDLE_POLL_S
