@@ -82,10 +82,11 @@ QUEUE_IDLE_POLL_S = 0.01
 
 
 def quiet_queue(demo: gr.Blocks) -> None:
-    """Gradio's queue looks for work every millisecond while it has none (1000 wake-ups a second on Linux): an idle
-    server spent 6.5% of a core, 2.7% with every 10 ms (2 cores, AMD EPYC), time otherwise taken from llama.cpp's
-    threads while they generate. 10 ms is still far below what a person notices. Gradio has no setting for it, so
-    the attribute is set, and left alone if Gradio renames it (tests/integration/test_server.py says so)."""
+    """Gradio's queue looks for work every millisecond while it has none or its workers are all busy (the same
+    sleep for both; 1000 wake-ups a second on Linux): an idle server spent 6.5% of a core on it, 2.7% with 10 ms
+    (2 cores, AMD EPYC), time otherwise taken from llama.cpp's threads while they generate. 10 ms is still far below
+    what a person notices. Gradio has no setting for it, so the attribute is set, and left alone if Gradio renames
+    it (tests/integration/test_server.py says so)."""
     queue: Any = getattr(demo, "_queue", None)
     if isinstance(getattr(queue, "sleep_when_free", None), float) and queue.sleep_when_free < QUEUE_IDLE_POLL_S:
         queue.sleep_when_free = QUEUE_IDLE_POLL_S

@@ -115,7 +115,8 @@ def test_streaming_n_interleaves_by_index(client: openai.OpenAI) -> None:
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
-            order.append(choice.index)
+            if choice.delta.content:  # not the role chunks, which come for every choice first
+                order.append(choice.index)
     assert texts == {c.index: c.message.content for c in plain.choices}
     switches = sum(1 for a, b in itertools.pairwise(order) if a != b)
     # one stream after the other switches once; a late event loop merges what has come into a chunk per choice

@@ -77,9 +77,9 @@ def test_batching_runs_streams_at_the_same_time(with_default_model: Path) -> Non
     for t in threads:
         t.join()
     assert tokens == {i: 40 for i in range(4)}
-    # decoded together: one after another would take 160 steps or more; counted in the engine's steps, not in when
-    # the threads saw their tokens (a thread held up on a loaded machine says nothing about the engine)
-    assert backend.stats()["steps"] - before <= 80
+    # decoded together: one after another would take 160 steps or more, together about 40; counted in the engine's
+    # steps, not in when the threads saw their tokens (a thread held up on a loaded machine says nothing of it)
+    assert backend.stats()["steps"] - before <= 120
 
 
 def test_cancel_frees_the_slot_and_a_full_queue_refuses(with_default_model: Path) -> None:
@@ -549,16 +549,18 @@ def test_lora_changes_are_refused_while_generating_and_change_nothing(with_defau
     # its first 40 tokens are compared, then it is cancelled
     cancel = threading.Event()
     running = backend.generate(ids, long.replace(max_new_tokens=4000), cancel)
-    got = [next(running).token_id for _ in range(3)]
-    with pytest.raises(InvalidRequest, match="while 1 generation is running"):
-        models.apply_loras([])  # would have taken the adapter away under the running stream
-    with pytest.raises(InvalidRequest):
-        backend.load_lora(shared.loras_dir() / "random-lora.gguf", 0.5)
-    with pytest.raises(InvalidRequest):
-        backend.unload_lora(None)
-    while len(got) < len(alone):
-        got.append(next(running).token_id)
-    cancel.set()
+    try:
+        got = [next(running).token_id for _ in range(3)]
+        with pytest.raises(InvalidRequest, match="while 1 generation is running"):
+            models.apply_loras([])  # would have taken the adapter away under the running stream
+        with pytest.raises(InvalidRequest):
+            backend.load_lora(shared.loras_dir() / "random-lora.gguf", 0.5)
+        with pytest.raises(InvalidRequest):
+            backend.unload_lora(None)
+        while len(got) < len(alone):
+            got.append(next(running).token_id)
+    finally:
+        cancel.set()
     assert [e.finish_reason for e in running][-1] == "cancelled"
     assert got == alone  # it never saw a change
     assert shared.loras == ["random-lora.gguf"]

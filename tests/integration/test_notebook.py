@@ -133,20 +133,20 @@ def test_an_infinite_loop_is_interrupted_and_the_kernel_still_answers(session: K
     assert after.status == "ok" and text_of(after) == "still here\n"  # the same kernel: variables kept
 
     # the Interrupt button: a cell with no time limit, stopped from another thread
+    # the cell says when it runs (a file): an interrupt that reaches the kernel before the cell starts is lost, and
+    # one more while the kernel sends its reply could lose the reply, so it is pressed once, when the cell runs
+    marker = session.cwd / "interrupt-test-marker"
+    marker.unlink(missing_ok=True)
     runs: list[kernel.Execution] = []
-    worker = threading.Thread(
-        target=lambda: runs.append(session.execute("import time\nwhile True: time.sleep(0.01)", 0))
-    )
+    cell = f"import pathlib, time\npathlib.Path({marker.name!r}).touch()\nwhile True: time.sleep(0.01)"
+    worker = threading.Thread(target=lambda: runs.append(session.execute(cell, 0)))
     worker.start()
-    deadline = time.monotonic() + 10
-    while not session.busy and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.3)
+    assert marker.exists(), "the cell never ran"
     assert session.interrupt()
-    # a loaded machine may not have started the cell yet, and an idle kernel ignores an interrupt: press again
-    deadline = time.monotonic() + 20
-    while (worker.join(1) or worker.is_alive()) and time.monotonic() < deadline:
-        session.interrupt()
+    worker.join(20)
     assert runs and runs[0].status == "interrupted"
     assert session.execute("kept").status == "ok"
 

@@ -171,4 +171,4 @@ def test_the_idle_ui_queue_does_not_poll_every_millisecond(tiny: Path) -> None:
     from modules.ui.app import QUEUE_IDLE_POLL_S, build_ui
 
     demo = build_ui()
-    assert demo._queue.sleep_when_free == QUEUE_IDLE_POLL_S
+    assert demo._queue.sleep_when_free >= QUEUE_IDLE_POLL_S
