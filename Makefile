@@ -128,17 +128,21 @@ browser:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
-# test and bench set up side by side what does not depend on each other: on 2 cores llama.cpp's build keeps the CPU
-# busy while vLLM's venv and chromium mostly wait on downloads and the disk (a fresh clone's setup, llama.cpp built
-# from source, took 9.0 minutes instead of 10.7 on a 2-core AMD EPYC). Each step's output is printed whole when it ends.
-SETUP_JOBS := --jobs=4 --output-sync=target
+# Setup for test and bench: the steps that do not wait on each other run side by side (on 2 cores llama.cpp's build
+# keeps the CPU busy while vLLM's venv and chromium mostly wait on downloads and the disk: a fresh clone's setup,
+# llama.cpp built from source, took 9.0 minutes instead of 10.7 on a 2-core AMD EPYC). What installs into .venv stays
+# one chain (the engine, then the dev tools); lint and the default model's check run after it, one after the other.
+# Lines from steps running at once interleave, each line whole (GNU Make 4+; an older make prints as it comes).
+SETUP_JOBS := --jobs=4 $(if $(filter output-sync,$(.FEATURES)),--output-sync=line)
 
 test:
-	$(MAKE) $(SETUP_JOBS) lint dev browser vllm
+	$(MAKE) $(SETUP_JOBS) $(DEV) browser vllm
+	$(MAKE) lint dev
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench:
-	$(MAKE) $(SETUP_JOBS) dev vllm
+	$(MAKE) $(SETUP_JOBS) $(DEV) vllm
+	$(MAKE) dev
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run $(ARGS)
 
 clean:
