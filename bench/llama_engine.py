@@ -343,7 +343,7 @@ def speculative(rounds: int = 4) -> dict[str, Any]:
     speculation vs raw ``Llama.create_completion`` and vs llama-cpp-python with ``LlamaPromptLookupDecoding``,
     same tokens out; the same for a ~400-token code file to rewrite (for the record: the default model writes other
     code instead of copying it); 2. open-ended stream (a story): textgen with speculation on vs off, two pairs a
-    round. Medians of alternating runs."""
+    round. Medians of alternating runs; the story's ratio is the median of its adjacent on/off pairs' ratios."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
