@@ -201,19 +201,21 @@ def default_system_message() -> tuple[str, str]:
     return str(backend.metadata.extra["system_message"]), str(backend.metadata.extra.get("system_message_source", ""))
 
 
-def unload_model() -> None:
-    """Unload the current model (if any) and free its memory."""
+def unload_model() -> bool:
+    """Unload the current model (if any) and free its memory; False when none was loaded."""
     with shared.model_lock:
         backend = shared.model
         if backend is None:
-            return
+            return False
         name = shared.model_name
         shared.model, shared.model_name, shared.model_options, shared.loras = None, None, {}, []
         try:
             backend.unload()
         finally:
-            gc.collect()
+            del backend
+            load_hooks.settle()
         log.info("Unloaded %s", name)
+        return True
 
 
 def loader_names() -> list[str]:
@@ -326,7 +328,8 @@ def load_model(name: str, overrides: dict[str, Any] | None = None) -> Backend:
         info, meta, resolved, loader = _plan(name, overrides)
         backend_cls = check_load(info, loader, resolved.options)  # refused here, the current model stays loaded
         previous = shared.model_name
-        unload_model()
+        if not unload_model():  # an unload settles the garbage; with no model before, what came since is settled
+            load_hooks.settle(unloaded=False)
         shared.loading_model, shared.load_error = info.name, None
         started = time.perf_counter()
         log.info("Loading %s with %s", info.name, loader)
