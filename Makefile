@@ -28,6 +28,11 @@ LLAMA_KEY := $(shell (echo '$(LLAMA_CPP_VERSION) $(CMAKE_ARGS)'; uname -m; grep 
 	sysctl -n machdep.cpu.brand_string) 2>/dev/null | cksum | cut -d' ' -f1)
 LLAMA_WHEELS := $(HOME)/.cache/textgen/llama-cpp-python/$(LLAMA_KEY)
 
+# `make test` runs pytest in two worker processes (pytest-xdist), a file at a time each: a single process kept one of
+# 2 cores idle 40% of the time (imports, converters, a server's start are single-threaded Python). TEST_WORKERS=0
+# runs the suite in one process.
+TEST_WORKERS ?= 2
+
 .PHONY: run test lint format bench setup dev browser clean llama-cpp vllm
 
 $(PY):
@@ -138,7 +143,7 @@ SETUP_JOBS := --jobs=4 $(if $(filter output-sync,$(.FEATURES)),--output-sync=lin
 test:
 	$(MAKE) $(SETUP_JOBS) $(DEV) browser vllm
 	$(MAKE) lint dev
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench:
 	$(MAKE) $(SETUP_JOBS) $(DEV) vllm
