@@ -16,6 +16,7 @@ import pandas as pd
 from modules import jobs, models, shared
 from modules.errors import TextgenError
 from modules.paths import UnsafePath, safe_child
+from modules.ui import on_change
 from modules.ui.admin import admin_control, admin_only
 
 KIND = "export"  # one export-like job at a time (merge, export, table): they each need the whole CPU
@@ -182,6 +183,7 @@ def build() -> None:
                                 interactive=False, elem_id="push-card-text")  # fmt: skip
         status = gr.Markdown(job_text(next(iter(jobs.all_jobs(KIND)), None)), elem_id="export-status")
         shown = gr.State(listings())  # what the dropdowns list now: they are updated when models/ or loras/ change
+        seen = gr.State(None)  # the last job and its status line as the last tick saw them
 
     def start_export(name: str, fmt_: str, quant_: str, out: str, base_: str, check_: bool, replace_: bool) -> str:
         from modules.lifecycle.convert import refuse_existing
@@ -258,16 +260,17 @@ def build() -> None:
             jobs.cancel(job.id)
         return job_text(job)
 
-    def poll(fmt_: str, before: dict[str, list[str]]) -> tuple[Any, ...]:
+    def poll(fmt_: str, before: dict[str, list[str]], seen: list[str] | None) -> tuple[Any, ...]:
         last = next(iter(jobs.all_jobs(KIND)), None)
+        shown_text, now_seen = on_change(last.id if last else None, job_text(last), seen)
         table_job = next((j for j in jobs.all_jobs(KIND) if j.title.startswith("quant table")), None)
         frame = table_frame(table_job)
         now = listings()
         if now == before:  # nothing new on disk: leave the dropdowns (and what is open in them) alone
-            return job_text(last), frame, frame, before, *[gr.skip()] * 6
+            return shown_text, frame, frame, before, now_seen, *[gr.skip()] * 6
         choices, label = source_choices(fmt_, now)
         sources = gr.update(choices=now["sources"])
-        return (job_text(last), frame, frame, now, gr.update(choices=choices, label=label), sources, sources,
+        return (shown_text, frame, frame, now, now_seen, gr.update(choices=choices, label=label), sources, sources,
                 gr.update(choices=now["adapters"]), sources, gr.update(choices=now["publish"]))  # fmt: skip
 
     def format_changed(fmt_: str) -> tuple[Any, Any]:
@@ -287,4 +290,5 @@ def build() -> None:
     push_btn.click(admin_only("push models to the Hub")(start_push), push_inputs, status, queue=False)
     fmt.change(format_changed, fmt, [source, quant], queue=False)
     lists = [source, base, merge_base, merge_lora, table_source, push_source]
-    gr.Timer(2.0).tick(poll, [fmt, shown], [status, table, plot, shown, *lists], queue=False, show_progress="hidden")
+    gr.Timer(2.0).tick(poll, [fmt, shown, seen], [status, table, plot, shown, seen, *lists], queue=False,
+                       show_progress="hidden")  # fmt: skip

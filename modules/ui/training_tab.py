@@ -16,6 +16,7 @@ from modules.errors import TextgenError
 from modules.training import background
 from modules.training.args import BATCHING, OPTIMIZERS, SCHEDULERS, TrainingArgs, field_docs
 from modules.training.evaluate import EvalArgs
+from modules.ui import on_change
 from modules.ui.admin import admin_control, admin_only
 
 MAIN = ("model", "dataset", "format", "name", "epochs", "learning_rate", "rank", "alpha", "micro_batch_size",
@@ -169,7 +170,7 @@ def build() -> None:
         jobs.cancel(job.id)
         return status_text(job) + "\n\nStopping at the end of this step (a checkpoint is written)..."
 
-    def tick() -> tuple[str, Any, Any]:
+    def tick(seen: list[Any] | None) -> tuple[Any, Any, Any, list[Any]]:
         job = background.current()
         evaluation = next(iter(jobs.all_jobs(background.EVAL_KIND)), None)
         rows = gr.update()
@@ -177,7 +178,8 @@ def build() -> None:
             rows = pd.DataFrame(evaluation.result)
         elif evaluation is not None and evaluation.state == "failed":
             rows = pd.DataFrame([{"model": f"error: {evaluation.error}", "loss": None, "perplexity": None}])
-        return status_text(job), loss_frame(job), rows
+        shown, now_seen = on_change(job.id if job else None, status_text(job), seen)
+        return shown, loss_frame(job), rows, now_seen
 
     def apply_adapter(name: str | None) -> str:
         if not name:
@@ -218,4 +220,5 @@ def build() -> None:
                    action, concurrency_limit=1)  # fmt: skip
     refresh.click(lists, None, [components["model"], components["dataset"], components["format"], adapter])
     timer = gr.Timer(1.0)
-    timer.tick(tick, None, [status, plot, table], queue=False, show_progress="hidden")
+    seen = gr.State(None)  # the run and its status line as the last tick saw them
+    timer.tick(tick, seen, [status, plot, table, seen], queue=False, show_progress="hidden")

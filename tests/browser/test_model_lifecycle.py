@@ -101,6 +101,8 @@ def test_export_panel_writes_a_gguf_and_refuses_a_bad_name(page, live_server_fac
     written = out.stat().st_mtime_ns
     page.click("#export-start")  # the same name again: refused before anything runs, the file kept
     status.get_by_text("exists").wait_for(timeout=30_000)
+    page.wait_for_timeout(2500)  # a tick of the panel's poll (2 s): the refusal stays, not the last job's "done"
+    assert "exists" in status.inner_text() and "done" not in status.inner_text()
     assert out.stat().st_mtime_ns == written
     page.get_by_label("Replace the output if it exists").check()
     page.click("#export-start")
