@@ -220,6 +220,7 @@ class ToolStream:
         self.buffer = ""
         self.holding = plan.forced
         self.emitted = 0  # calls already returned (forced mode)
+        self.shown = False  # some content has been returned
 
     def _forced_calls(self, final: bool) -> list[ToolCall]:
         decoder = json.JSONDecoder()
@@ -261,11 +262,13 @@ class ToolStream:
                 if not stripped:  # only whitespace so far: a call may still start
                     return "", []
                 out, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+                self.shown = self.shown or bool(out)
                 return out, []
         if TOOL_OPEN in self.buffer:  # release text before the first tag
             head, sep, rest = self.buffer.partition(TOOL_OPEN)
             if head.strip():
                 self.buffer = sep + rest
+                self.shown = True
                 return head, []
         return "", []
 
@@ -278,6 +281,8 @@ class ToolStream:
         if not self.holding:
             return text, []
         content, calls = parse_tool_calls(text, self.known)
+        if calls and content and self.shown:  # the parse strips the held text; after content shown, its leading
+            content = text[: len(text) - len(text.lstrip())] + content  # space is inside the reply ("ab" + "\nc")
         if not self.plan.parallel:
             calls = calls[:1]  # parallel_tool_calls: false allows one call per turn
         return content, calls

@@ -85,6 +85,17 @@ def test_tool_stream_passes_text_and_holds_calls() -> None:
     assert "".join(shown) + tail == "Sure, checking " and [c.name for c in calls] == ["get_weather"]
 
 
+def test_text_held_with_a_mistral_call_keeps_its_space_after_text_shown() -> None:
+    """Found by the property test: "ab" shown, then a line and "[TOOL_CALLS]" in one piece; the held text's leading
+    line break is inside the reply, as the one-shot parse keeps it."""
+    text = 'ab\ncd [TOOL_CALLS] [{"name": "get_time", "arguments": {}}]'
+    stream = tools.ToolStream(tools.plan_tools([WEATHER, TIME], "auto", None))
+    shown = stream.feed("ab")[0] + stream.feed(text[2:])[0]
+    content, calls = stream.finish()
+    assert shown + content == tools.parse_tool_calls(text, ["get_time"])[0] == "ab\ncd"
+    assert [c.name for c in calls] == ["get_time"]
+
+
 def test_forced_stream_emits_each_call_once_complete() -> None:
     stream = tools.ToolStream(tools.plan_tools([WEATHER, TIME], "required", True))
     emitted = []
