@@ -181,9 +181,10 @@ def build() -> None:
                 push_btn = admin_control(gr.Button("Push", variant="primary", elem_id="push-start"))
             card_text = gr.Code(label="Model card (README.md) as it would be sent", language="markdown",
                                 interactive=False, elem_id="push-card-text")  # fmt: skip
-        status = gr.Markdown(job_text(next(iter(jobs.all_jobs(KIND)), None)), elem_id="export-status")
+        first = next(iter(jobs.all_jobs(KIND)), None)
+        status = gr.Markdown(job_text(first), elem_id="export-status")
         shown = gr.State(listings())  # what the dropdowns list now: they are updated when models/ or loras/ change
-        seen = gr.State(None)  # the last job and its status line as the last tick saw them
+        seen = gr.State(on_change(first.id if first else None, job_text(first), None)[1])  # what the line shows
 
     def start_export(name: str, fmt_: str, quant_: str, out: str, base_: str, check_: bool, replace_: bool) -> str:
         from modules.lifecycle.convert import refuse_existing

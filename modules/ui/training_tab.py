@@ -138,7 +138,9 @@ def build() -> None:
                 stop = admin_control(gr.Button("Stop", variant="stop", elem_id="train-stop"))
                 refresh = gr.Button("Refresh lists", elem_id="train-refresh")
         with gr.Column(scale=2):
-            status = gr.Markdown(status_text(background.current()), elem_id="training-status")
+            first = background.current()
+            status = gr.Markdown(status_text(first), elem_id="training-status")
+            seen = gr.State(on_change(first.id if first else None, status_text(first), None)[1])  # what it shows
             plot = gr.LinePlot(loss_frame(None), x="step", y="loss", color="series", title="Loss",
                                elem_id="training-plot", height=280)  # fmt: skip
             with gr.Row():
@@ -220,5 +222,4 @@ def build() -> None:
                    action, concurrency_limit=1)  # fmt: skip
     refresh.click(lists, None, [components["model"], components["dataset"], components["format"], adapter])
     timer = gr.Timer(1.0)
-    seen = gr.State(None)  # the run and its status line as the last tick saw them
     timer.tick(tick, seen, [status, plot, table, seen], queue=False, show_progress="hidden")

@@ -36,8 +36,9 @@ def status(page) -> str:
     return page.inner_text(STATUS) if page.locator(STATUS).count() else ""
 
 
-def wait_reply(page, before: str = "", timeout: float = 60_000) -> None:
-    """Wait until the status line shows a finished reply different from ``before``."""
+def wait_reply(page, before: str = "", timeout: float = 180_000) -> None:
+    """Wait until the status line shows a finished reply different from ``before`` (a reply of up to 512 tokens at
+    the page's 11-33 tokens/s, with another test file running beside this one under make test)."""
     page.wait_for_function(
         "(before) => { const t = document.querySelector('#chat-status [data-testid=markdown]')?.innerText || '';"
         " return t.includes('finish:') && t !== before && !t.includes('Generating'); }",

@@ -155,8 +155,11 @@ def test_a_lora_change_waits_for_running_generations(tiny: Path) -> None:
     assert next(running).token_id == base[0]
     change = threading.Thread(target=models.apply_loras, args=(["lora-a"],))
     change.start()
-    time.sleep(0.5)
-    assert change.is_alive()  # held back while a generation runs
+    deadline = time.monotonic() + 60  # the change reads the adapter first: seconds on a loaded machine
+    while not backend._scheduler.paused and change.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert change.is_alive() and backend._scheduler.paused  # held back while a generation runs
     meanwhile = backend.generate(ids, params, threading.Event())
     time.sleep(0.2)
     assert backend.stats()["queue_depth"] == 1  # a new request waits for the change, it does not start beside it
