@@ -39,6 +39,7 @@ def test_plan_memory_and_download_in_the_model_tab(page, live_server_factory, tm
         plan.get_by_text("expected memory").wait_for()
         text = plan.inner_text()
         assert "fits" in text and "llama.cpp" in text and "n_ctx" in text and "physical cores" in text
+        page.locator("#model-measured").get_by_text("measured").wait_for()  # filled by the page's load, not the plan
         measured = page.locator("#model-measured").inner_text()
         assert "expected" in measured and "measured" in measured and DEFAULT_MODEL in measured
 

@@ -105,7 +105,7 @@ def test_history_survives_a_reload(page, shared_server) -> None:
     assert any("PINEAPPLE-4242" in m for m in user_messages(page))
     options = page.locator("#chat-list input").first
     options.click()
-    assert page.get_by_role("option", name="Remember the word PINEAPPLE-4242.", exact=False).count() >= 1
+    page.get_by_role("option", name="Remember the word PINEAPPLE-4242.", exact=False).first.wait_for(timeout=30_000)
 
 
 def test_switch_character_in_chat_mode(page, shared_server) -> None:
