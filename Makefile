@@ -30,7 +30,7 @@ LLAMA_WHEELS := $(HOME)/.cache/textgen/llama-cpp-python/$(LLAMA_KEY)
 
 # `make test` runs pytest in two worker processes (pytest-xdist), a file at a time each: a single process kept one of
 # 2 cores idle 40% of the time (imports, converters, a server's start are single-threaded Python). TEST_WORKERS=0
-# runs the suite in one process.
+# runs the suite in one process (for --pdb, or -s to see a test's output).
 TEST_WORKERS ?= 2
 
 .PHONY: run test lint format bench setup dev browser clean llama-cpp vllm

@@ -212,9 +212,9 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServ
 
 
 # The files that take a minute or more (make test's two workers on a 2-core AMD EPYC, longest first). With
-# pytest-xdist's ``--dist loadfile --no-loadscope-reorder`` (the Makefile's) a worker takes the next file in collection
-# order when it is free: these go first, so that neither worker is left alone at the end with a long file. A file
-# missing here only makes the end of the run longer.
+# pytest-xdist's ``--dist loadfile --no-loadscope-reorder`` (the Makefile's) a worker is handed the next file in
+# collection order when it nears the end of its last: these go first, so that neither worker is left alone at the end
+# with a long file. A file missing here only makes the end of the run longer.
 LONG_FILES = (
     "integration/test_training.py",
     "integration/test_speculative.py",
@@ -237,7 +237,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {name: i for i, name in enumerate(LONG_FILES)}
         last = len(LONG_FILES)
-        items.sort(key=lambda item: rank.get(item.path.relative_to(ROOT / "tests").as_posix(), last))  # stable sort
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0].removeprefix("tests/"), last))  # stable
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

@@ -127,7 +127,7 @@ def _start(title: str, target: Any, args: Any, *, process: bool = True) -> str:
         job = start_job(title, target, args, process=process)
     except jobs.Busy as exc:
         gr.Warning(str(exc))
-        return job_text(jobs.running(KIND))
+        return job_text(exc.job)
     return job_text(job)
 
 
@@ -257,8 +257,10 @@ def build() -> None:
 
     def cancel() -> str:
         job = jobs.running(KIND)
-        if job is not None:
-            jobs.cancel(job.id)
+        if job is None:  # nothing to cancel: the last job's line stays (the timer changes it only when the job does)
+            gr.Info("No export, merge or push is running.")
+            return job_text(next(iter(jobs.all_jobs(KIND)), None))
+        jobs.cancel(job.id)
         return job_text(job)
 
     def poll(fmt_: str, before: dict[str, list[str]], seen: list[str] | None) -> tuple[Any, ...]:

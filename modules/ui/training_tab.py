@@ -167,8 +167,8 @@ def build() -> None:
 
     def halt() -> str:
         job = jobs.running(background.KIND)
-        if job is None:
-            return "No run to stop."
+        if job is None:  # the last run's line stays under the note (the timer changes it only when the run does)
+            return status_text(background.current()) + "\n\nNo run to stop."
         jobs.cancel(job.id)
         return status_text(job) + "\n\nStopping at the end of this step (a checkpoint is written)..."
 
