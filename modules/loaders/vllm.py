@@ -46,6 +46,7 @@ from modules.paths import resolve
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 30.0
+CUT_WAIT_S = 5.0  # how long a stream whose connection broke waits to learn whether (and how) the engine died
 LOG_LINES = 200  # the engine's last lines, kept for the error a death or a failed start reports
 
 
@@ -185,6 +186,19 @@ class Engine:
         code = self.proc.poll() if self.proc is not None else None
         tail = "\n".join(list(self.lines)[-12:])
         return describe_exit("vLLM engine", code) + (f". Its last lines:\n{tail}" if tail else "")
+
+    def ended_since(self, generation: int, wait: float) -> bool:
+        """Whether the process that was start number ``generation`` has ended (not by our stop), waiting up to
+        ``wait`` s for it: a killed engine's sockets close while the kernel is still tearing the process down, and
+        a stream sees its connection break before the process can be reaped and its exit code read."""
+        deadline = time.monotonic() + wait
+        while not self.stopping:
+            if self.generation != generation or not self.alive():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return False
 
     def last_line(self) -> str:
         return self.lines[-1] if self.lines else ""
@@ -399,8 +413,7 @@ class VllmBackend(RemoteBackend):
         try:
             yield from super()._events(client, body, cancel)
         except (httpx.HTTPError, EngineUnavailable) as exc:
-            time.sleep(0.5)  # a connection cut by a dying engine: let the process end and the watcher see it
-            if engine is not None and not engine.stopping and (engine.generation != generation or not engine.alive()):
+            if engine is not None and engine.ended_since(generation, CUT_WAIT_S):
                 raise EngineUnavailable(f"the reply was cut off: {self.failure or engine.exit_text()}") from exc
             raise
 
