@@ -255,7 +255,8 @@ class ToolStream:
             return "", self._forced_calls(final=False)
         if not self.holding:
             stripped = self.buffer.lstrip()
-            if TOOL_OPEN in self.buffer or _MISTRAL in self.buffer or stripped[:1] in ("{", "["):
+            bare = not self.shown and stripped[:1] in ("{", "[")  # a bare JSON call is the whole reply or content
+            if TOOL_OPEN in self.buffer or _MISTRAL in self.buffer or bare:
                 self.holding = True
             else:
                 keep = _partial_suffix(self.buffer, (TOOL_OPEN, _MISTRAL))

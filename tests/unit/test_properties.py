@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -340,6 +341,40 @@ fragments = st.sampled_from(
     + [" ", "\n", '"', "\\", "null", "1e999", "\ud800", "é"]
 )
 any_text = st.text(max_size=60) | st.lists(fragments, max_size=30).map("".join)
+
+
+@st.composite
+def model_outputs(draw: st.DrawFn) -> tuple[str, int]:
+    """Any output and a place where a piece ends: arbitrary text, calls written in a supported format, or some text
+    and then a bare JSON call, cut where the JSON starts (a bare call is one only when it is the whole reply)."""
+    kind = draw(st.sampled_from(["any", "written", "text-then-bare"]))
+    if kind == "any":
+        return draw(any_text), 0
+    if kind == "written":
+        return draw(written_calls())[0], 0
+    objects = [_call_json("f", args, "arguments", False) for _, args in draw(calls_strategy)]
+    head = draw(content_text) + draw(st.sampled_from(["", " ", "\n"]))
+    return head + json.dumps(objects[0]), len(head)
+
+
+@FAST
+@given(case=model_outputs(), data=st.data())
+def test_any_output_streams_to_what_the_one_shot_parse_gives(case: tuple[str, int], data: Any) -> None:
+    text, cut = case
+    offered = [
+        {"type": "function", "function": {"name": n}}
+        for n in dict.fromkeys(["f", *re.findall(r'"name": "(\w+)"', text)])
+    ]
+    stream = tools.ToolStream(tools.plan_tools(offered, "auto", True))
+    shown, found = "", []
+    for part in (text[:cut], text[cut:]):
+        for piece in data.draw(splits(part)):
+            out, new = stream.feed(piece)
+            shown, found = shown + out, found + new
+    out, new = stream.finish()
+    content, calls = tools.parse_tool_calls(text, [f["function"]["name"] for f in offered])
+    assert [(c.name, c.arguments) for c in found + new] == [(c.name, c.arguments) for c in calls]
+    assert (shown + out).strip() == content.strip()
 
 
 @FAST
