@@ -11,14 +11,27 @@ import shutil
 import sys
 from pathlib import Path
 
+from filelock import FileLock
+
 from modules.paths import ROOT, packaged_model
 from modules.settings import DEFAULT_MODEL
 
 
+def _one_at_a_time(models_dir: Path) -> FileLock:
+    """A lock beside the models: two processes placing or converting the default model at once (two test workers,
+    `make test` beside `make bench`) would otherwise both write, and one remove the folder the other reads."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(models_dir / ".default-model.lock"))
+
+
 def place_default_model(models_dir: Path) -> Path:
     """Link (or copy, where links are not possible) the default model into ``models_dir``; idempotent."""
+    with _one_at_a_time(models_dir):
+        return _place(models_dir)
+
+
+def _place(models_dir: Path) -> Path:
     source = packaged_model()
-    models_dir.mkdir(parents=True, exist_ok=True)
     target = models_dir / DEFAULT_MODEL
     if target.is_symlink() and not target.exists():
         target.unlink()  # a link left from an older virtual environment
@@ -45,9 +58,19 @@ def make_hf_folder(models_dir: Path) -> Path:
     backend. The folder appears only when complete (written beside it, then renamed).
     """
     target = models_dir / HF_FOLDER
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    if _complete(target):
         return target
-    gguf = place_default_model(models_dir)
+    with _one_at_a_time(models_dir):
+        if not _complete(target):  # made by another process while this one waited
+            _convert(models_dir, _place(models_dir), target)
+    return target
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _convert(models_dir: Path, gguf: Path, target: Path) -> None:
     import tempfile
 
     import torch
@@ -67,7 +90,6 @@ def make_hf_folder(models_dir: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def main(argv: list[str] | None = None) -> int:
