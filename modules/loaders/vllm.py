@@ -381,7 +381,7 @@ class VllmBackend(RemoteBackend):
                 continue  # it ended during its start: counted; the loop tries again or gives up
             if engine.stopping:
                 return
-            self.state = "serving"
+            self.state, self.failure = "serving", ""
             self.metadata.extra["engine_pid"] = engine.pid
             log.info("vllm: the engine serves again (%d restart(s) left)", self.restarts_left)
 
@@ -413,8 +413,12 @@ class VllmBackend(RemoteBackend):
         try:
             yield from super()._events(client, body, cancel)
         except (httpx.HTTPError, EngineUnavailable) as exc:
-            if engine is not None and engine.ended_since(generation, CUT_WAIT_S):
-                raise EngineUnavailable(f"the reply was cut off: {self.failure or engine.exit_text()}") from exc
+            broken = isinstance(exc, httpx.HTTPError) or isinstance(exc.__cause__, httpx.HTTPError)
+            wait = CUT_WAIT_S if broken and not cancel.is_set() else 0.0  # an answer (5xx, an error chunk): look once
+            if engine is not None and engine.ended_since(generation, wait):
+                same = engine.generation == generation  # not restarted yet: its exit is this stream's cause
+                why = engine.exit_text() if same else self.failure  # the watcher wrote it before it restarted
+                raise EngineUnavailable(f"the reply was cut off: {why}") from exc
             raise
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:

@@ -10,9 +10,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from modules.errors import EngineUnavailable
@@ -20,9 +22,10 @@ from modules.loaders import vllm
 from modules.loaders.remote import RemoteBackend
 
 
-def _backend(monkeypatch: pytest.MonkeyPatch) -> vllm.VllmBackend:
+def _backend(monkeypatch: pytest.MonkeyPatch) -> tuple[vllm.VllmBackend, threading.Thread]:
     def broken(self: Any, client: Any, body: Any, cancel: Any) -> Iterator[Any]:
-        raise EngineUnavailable("the reply was cut off: the engine's connection broke (peer closed connection)")
+        cause = httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+        raise EngineUnavailable(f"the reply was cut off: the engine's connection broke ({cause})") from cause
         yield  # a generator, as the real one
 
     monkeypatch.setattr(RemoteBackend, "_events", broken)
@@ -32,12 +35,13 @@ def _backend(monkeypatch: pytest.MonkeyPatch) -> vllm.VllmBackend:
     backend = vllm.VllmBackend()
     backend.engine = engine
     backend.restarts_left = 0  # the watcher records the death and starts nothing
-    threading.Thread(target=backend._watch, daemon=True).start()
-    return backend
+    watcher = threading.Thread(target=backend._watch, daemon=True)
+    watcher.start()
+    return backend, watcher
 
 
 def test_the_reason_is_given_when_the_process_ends_after_the_connection_broke(monkeypatch: pytest.MonkeyPatch) -> None:
-    backend = _backend(monkeypatch)
+    backend, watcher = _backend(monkeypatch)
     engine = backend.engine
     assert engine is not None and engine.proc is not None
     killer = threading.Timer(1.0, os.killpg, args=(engine.proc.pid, signal.SIGKILL))
@@ -45,21 +49,42 @@ def test_the_reason_is_given_when_the_process_ends_after_the_connection_broke(mo
     try:
         with pytest.raises(EngineUnavailable) as caught:
             list(backend._events(None, {}, threading.Event()))  # type: ignore[arg-type]
+        watcher.join(10)  # it records the death (a stop before that would read as ours)
     finally:
         killer.cancel()
         engine.stop()
     assert "SIGKILL" in str(caught.value), caught.value
-    assert backend.state == "dead"
+    assert backend.state == "dead" and "SIGKILL" in backend.failure
 
 
 def test_a_break_with_the_engine_alive_keeps_its_own_message(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm, "CUT_WAIT_S", 0.3)
-    backend = _backend(monkeypatch)
+    backend, _ = _backend(monkeypatch)
     engine = backend.engine
     assert engine is not None
     try:
         with pytest.raises(EngineUnavailable, match="connection broke"):
             list(backend._events(None, {}, threading.Event()))  # type: ignore[arg-type]
         assert engine.alive()
+    finally:
+        engine.stop()
+
+
+def test_an_error_the_engine_answered_is_not_held_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, _ = _backend(monkeypatch)
+
+    def answered(self: Any, client: Any, body: Any, cancel: Any) -> Iterator[Any]:
+        raise EngineUnavailable("the remote engine answered 500: boom")
+        yield
+
+    monkeypatch.setattr(RemoteBackend, "_events", answered)
+    monkeypatch.setattr(vllm, "CUT_WAIT_S", 30.0)  # a broken connection would wait this long for the process
+    engine = backend.engine
+    assert engine is not None
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable, match="answered 500"):
+            list(backend._events(None, {}, threading.Event()))  # type: ignore[arg-type]
+        assert time.monotonic() - started < 10
     finally:
         engine.stop()
