@@ -26,8 +26,21 @@ def _one_at_a_time(models_dir: Path) -> FileLock:
 
 def place_default_model(models_dir: Path) -> Path:
     """Link (or copy, where links are not possible) the default model into ``models_dir``; idempotent."""
+    target = models_dir / DEFAULT_MODEL
+    if _placed(target):  # nothing to write: no lock either (the folder may be read-only)
+        return target
     with _one_at_a_time(models_dir):
         return _place(models_dir)
+
+
+def _placed(target: Path) -> bool:
+    """Whether ``target`` is the packaged model; FileExistsError when it is something else."""
+    if not target.exists():
+        return False
+    source = packaged_model()
+    if target.resolve() == source or target.stat().st_size == source.stat().st_size:
+        return True
+    raise FileExistsError(f"{target} exists and is not the packaged default model; move it away first")
 
 
 def _place(models_dir: Path) -> Path:
@@ -35,10 +48,8 @@ def _place(models_dir: Path) -> Path:
     target = models_dir / DEFAULT_MODEL
     if target.is_symlink() and not target.exists():
         target.unlink()  # a link left from an older virtual environment
-    if target.exists():
-        if target.resolve() == source or target.stat().st_size == source.stat().st_size:
-            return target
-        raise FileExistsError(f"{target} exists and is not the packaged default model; move it away first")
+    if _placed(target):
+        return target
     try:
         os.symlink(source, target)
     except OSError:
