@@ -112,6 +112,19 @@ class Metrics:
                 "Confirmed draft tokens / drafted, since the model loaded.",
                 [("", round(accepted / drafted, 4) if drafted else 0)],
             )
+        if "step_seconds" in backend_stats:
+            metric(
+                "speculative_step_seconds",
+                "gauge",
+                "A decode step's time by its tokens, as the speculation planner has fitted it to the steps it ran.",
+                [(f'{{tokens="{n}"}}', seconds) for n, seconds in backend_stats["step_seconds"].items()],
+            )
+            metric(
+                "speculative_step_switch_seconds",
+                "gauge",
+                "What a step of another size than the one before adds (a new compute graph), as fitted.",
+                [("", backend_stats.get("step_switch_seconds", 0))],
+            )
         metric(
             "model_loaded", "gauge", "1 when a model is loaded.", [(f'{{model="{model or ""}"}}', 1 if model else 0)]
         )

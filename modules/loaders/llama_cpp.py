@@ -333,7 +333,15 @@ class LlamaCppBackend(SideOps, Backend):
     def stats(self) -> dict[str, Any]:
         with self._cv:
             busy = sum(1 for s in self._slots if s.request is not None)
-            spec = {"draft_tokens": self._spec.drafted, "accepted_tokens": self._spec.accepted} if self._spec else {}
+            spec = {}
+            if self._spec:
+                cost = self._spec.cost  # the planner's fit: what it believes a step of n tokens costs
+                spec = {
+                    "draft_tokens": self._spec.drafted,
+                    "accepted_tokens": self._spec.accepted,
+                    "step_seconds": {str(n): round(cost.time(n), 6) for n in (1, 2, 4, 8)},
+                    "step_switch_seconds": round(cost.switch, 6),
+                }
             return {
                 **self._stats,
                 **spec,

@@ -7,6 +7,7 @@ the bit (tokens and log probabilities), at any context length.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -148,6 +149,11 @@ def test_metrics_and_the_stats_line_show_acceptance(spec: LlamaCppBackend) -> No
     assert f"textgen_speculative_draft_tokens_total {now['draft_tokens']}" in text
     assert f"textgen_speculative_accepted_tokens_total {now['accepted_tokens']}" in text
     assert now["accepted_tokens"] > 0
+    # the planner's fitted step costs, so a run that drafted less can be told apart from one whose text held less
+    fitted = {n: float(s) for n, s in re.findall(r'textgen_speculative_step_seconds\{tokens="(\d+)"\} (\S+)', text)}
+    assert sorted(fitted, key=int) == ["1", "2", "4", "8"]
+    assert 0 < fitted["1"] < 1 and fitted["2"] < fitted["4"] < fitted["8"], fitted
+    assert "textgen_speculative_step_switch_seconds " in text
 
 
 def test_logprobs_and_seeded_sampling_are_unchanged(plain: LlamaCppBackend, spec: LlamaCppBackend) -> None:
