@@ -138,6 +138,7 @@ class Engine:
         self.proc: subprocess.Popen[str] | None = None
         self.stopping = False
         self.generation = 0  # counts the starts: a stream knows whether the engine it spoke to is the one now
+        self.exits: dict[int, str] = {}  # generation -> how that process ended, kept when the next one starts
         self._lock = threading.Lock()  # start and stop never cross: a stop during a restart stops the new one
 
     def start(self) -> None:
@@ -146,6 +147,8 @@ class Engine:
             if self.stopping:
                 raise ModelLoadError(f"the vLLM engine for {self.name} was stopped")
             self.kill_group()  # what is left of the last one (its engine-core process) goes first
+            if self.proc is not None:  # how the last one ended, for a stream of it that reads its cut late
+                self.exits[self.generation] = self.exit_text()
             self._start()
 
     def _start(self) -> None:
@@ -199,6 +202,15 @@ class Engine:
                 return False
             time.sleep(0.05)
         return False
+
+    def exit_of(self, generation: int) -> str:
+        """How the process of start number ``generation`` ended (it has: see :meth:`ended_since`)."""
+        with self._lock:  # not while a restart swaps the process and clears its lines
+            if generation in self.exits:
+                return self.exits[generation]
+            if generation == self.generation:
+                return self.exit_text()
+        return "the vLLM engine ended and was started again"
 
     def last_line(self) -> str:
         return self.lines[-1] if self.lines else ""
@@ -416,9 +428,7 @@ class VllmBackend(RemoteBackend):
             broken = isinstance(exc, httpx.HTTPError) or isinstance(exc.__cause__, httpx.HTTPError)
             wait = CUT_WAIT_S if broken and not cancel.is_set() else 0.0  # an answer (5xx, an error chunk): look once
             if engine is not None and engine.ended_since(generation, wait):
-                same = engine.generation == generation  # not restarted yet: its exit is this stream's cause
-                why = engine.exit_text() if same else self.failure  # the watcher wrote it before it restarted
-                raise EngineUnavailable(f"the reply was cut off: {why}") from exc
+                raise EngineUnavailable(f"the reply was cut off: {engine.exit_of(generation)}") from exc
             raise
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO
 
@@ -22,13 +23,15 @@ def test_a_second_process_waits_for_the_copy_the_first_is_making(tmp_path: Path)
     code = "import logging, sys; from pathlib import Path; from modules.lifecycle.default_model import make_hf_folder; "
     code += "logging.basicConfig(level=logging.DEBUG); print(make_hf_folder(Path(sys.argv[1])))"
     waiting = threading.Event()  # filelock says so in its debug log while it retries
+    ended = threading.Event()
     err: list[str] = []
 
     def read(stream: IO[str]) -> None:
         for line in stream:
             err.append(line)
-            if "not acquired" in line:
+            if "not acquired" in line and str(lock_path) in line:
                 waiting.set()
+        ended.set()  # the child ended (or closed stderr) without waiting: no need to wait the whole minute
 
     with FileLock(str(lock_path)):  # this test is the first process, making the copy
         child = subprocess.Popen(
@@ -41,12 +44,18 @@ def test_a_second_process_waits_for_the_copy_the_first_is_making(tmp_path: Path)
         assert child.stderr is not None
         reader = threading.Thread(target=read, args=(child.stderr,), daemon=True)
         reader.start()
-        waited = waiting.wait(60)
+        deadline = time.monotonic() + 60
+        while not waiting.is_set() and not ended.is_set() and time.monotonic() < deadline:
+            waiting.wait(0.1)
+        waited = waiting.is_set()
         folder = models / HF_FOLDER  # what the first process writes while the second waits
         folder.mkdir(exist_ok=True)
         (folder / "config.json").write_text('{"made_by": "the first process"}')
         (folder / "model.safetensors").write_bytes(b"")
-    child.wait(60)
+    try:
+        child.wait(60)
+    finally:
+        child.kill()  # a no-op once it has ended
     assert child.stdout is not None
     out = child.stdout.read()
     reader.join(10)

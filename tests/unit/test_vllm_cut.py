@@ -88,3 +88,19 @@ def test_an_error_the_engine_answered_is_not_held_back(monkeypatch: pytest.Monke
         assert time.monotonic() - started < 10
     finally:
         engine.stop()
+
+
+def test_a_cut_read_after_the_restart_names_the_old_process_end() -> None:
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    engine = vllm.Engine(command, dict(os.environ), port=1, name="stand-in")
+    engine.start()
+    try:
+        assert engine.proc is not None
+        os.killpg(engine.proc.pid, signal.SIGKILL)
+        assert engine.ended_since(1, 10)
+        engine.start()  # what the watcher does next: a stream of the first that reads its cut now has a new process
+        assert engine.generation == 2 and engine.alive()
+        assert "SIGKILL" in engine.exit_of(1)
+        assert engine.exit_of(1) != engine.exit_text()  # the new process's (still running) is not the cut's cause
+    finally:
+        engine.stop()
