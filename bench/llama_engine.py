@@ -442,6 +442,63 @@ def speculative(rounds: int = 4) -> dict[str, Any]:
     }
 
 
+def speculative_after_busy(busy: int = 2, rounds: int = 4) -> dict[str, Any]:
+    """The rewrite on a server whose first ``busy`` rewrites ran beside a busy process (a CPU-bound loop, as another
+    program would be), then ``rounds`` quiet rewrites alternating with a server that had no busy spell: the planner
+    fits its step costs to the steps it sees, and a fit taken in a slow spell must not stop drafting afterwards."""
+    import subprocess
+    import sys
+
+    body = {"prompt": TEXT_PROMPT, "max_tokens": SPEC_TOKENS, "temperature": 0, "logit_bias": EOG_BIAS,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    runs: dict[str, list[float]] = {"busy": [], "after": [], "quiet": []}
+    drafted: dict[str, list[float]] = {"after": [], "quiet": []}
+
+    def drafts(url: str) -> float:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        return sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("textgen_speculative_draft")
+        )
+
+    def rewrite(url: str, name: str) -> None:
+        before = drafts(url)
+        result = stream_completion(url, body)
+        runs[name].append(result.tokens / (result.ended - result.started))
+        if name in drafted:
+            drafted[name].append(drafts(url) - before)
+
+    with textgen("--threads", str(THREADS)) as spelled, textgen("--threads", str(THREADS)) as quiet:
+        for url in (spelled.url, quiet.url):
+            stream_completion(url, {**body, "max_tokens": 8})
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            for _ in range(busy):
+                rewrite(spelled.url, "busy")
+        finally:
+            hog.kill()
+            hog.wait()
+        for round_ in range(rounds):
+            pair = ((spelled.url, "after"), (quiet.url, "quiet"))
+            for url, name in pair if round_ % 2 == 0 else pair[::-1]:
+                time.sleep(0.3)
+                rewrite(url, name)
+        costs = {
+            line.split()[0]: round(float(line.split()[1]) * 1000, 2)
+            for line in httpx.get(spelled.url + "/metrics", timeout=10).text.splitlines()
+            if line.startswith("textgen_speculative_step")
+        }
+    after, ref = statistics.median(runs["after"]), statistics.median(runs["quiet"])
+    return {
+        "after_busy_tokens_per_s": after,
+        "no_busy_spell_tokens_per_s": ref,
+        "ratio": after / ref,
+        "target": ">= 0.9",
+        "runs": runs,
+        "draft_tokens": drafted,
+        "step_ms_after": costs,
+    }
+
+
 def engine_in_process(clients: int = 8, temperature: float = 0.8) -> dict[str, Any]:
     """The decode phase of textgen's llama.cpp scheduler in this process, as the server runs it (same
     options, speculation planner on, events handed to an asyncio loop the way the HTTP layer gets them) but with no

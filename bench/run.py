@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "concurrency": llama_engine.concurrency,
     "prompt_cache": llama_engine.prompt_cache,
     "speculative": llama_engine.speculative,
+    "spec_after_busy": llama_engine.speculative_after_busy,
     "spec_ceiling": spec_ceiling.run,
     "transformers": transformers_engine.pipeline_vs_generate,
     "transformers_concurrency": transformers_engine.concurrency,
@@ -156,6 +157,16 @@ def rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 f"{story['ratio']:.3f}",
                 ">= 0.97",
             ),
+        ]
+    if name == "spec_after_busy":
+        return [
+            (
+                "rewrite after a busy spell (its first 2 beside a busy process): tokens/s",
+                f"{r['after_busy_tokens_per_s']:.1f} (drafted {sum(r['draft_tokens']['after']):.0f})",
+                f"{r['no_busy_spell_tokens_per_s']:.1f} (no busy spell; drafted {sum(r['draft_tokens']['quiet']):.0f})",
+                f"{r['ratio']:.3f}",
+                r["target"],
+            )
         ]
     if name == "prompt_cache":
         return [

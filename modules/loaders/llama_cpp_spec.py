@@ -177,24 +177,63 @@ class StepCost:
     small models on a CPU (``base`` = 1.3 ``per_token``) through their mean, or through the one-token time before any
     was seen. There are no calibration decodes at load time: a first decode of another shape than the scheduler's
     slowed every later step of that context by a third.
+
+    The machine's speed drifts (another program, the CPU's clock) while the ratio of one size to another holds, and
+    the line learns only from drafts. Fitted in seconds, a line taken in a busy spell kept drafts looking dear for the
+    server's life, and a one-token time taken then stayed while drafts made one-token steps rare (measured on the AMD
+    EPYC, rewrites after two beside a busy process: none drafted, the two-token step kept at 72.8 ms against a
+    one-token 10.5-11.0; in another run 138 tokens a rewrite with the one-token step kept at 28.2 ms, 0.83x a server
+    without the spell). So the line is read scaled by the one-token step now against the one-token step while its
+    steps were seen; the one-token time weighs its latest steps whatever came between; and what the line and the
+    switch cost know ages at every step that teaches them nothing (about 350 steps halve it), back to the prior (that
+    shape, no switch cost), so a fit that stopped drafting is tried again.
     """
 
     SHAPE = 1.3
     DECAY = 0.98
+    AGE = 0.998  # what the line and the switch cost know ages by this at each step that teaches them nothing
+    PRIOR = 0.5  # the weight of the prior against their decayed count of steps
+    SWITCH_MAX = 0.5  # of a one-token step (measured: 0.21 on the Intel machine, 0.05 on the AMD one)
 
     def __init__(self, base: float = 0.0065, per_token: float = 0.005) -> None:
-        self.base, self.per_token = base, per_token
         self.one: float | None = None  # a one-token step, once seen
         self.switch = 0.0
         self.last = 0  # tokens in the last step
-        self._one = [0.0, 0.0]  # decayed (weight, seconds) of one-token steps
-        self._sums = [0.0] * 5  # steps of 2+ tokens: weight, tokens, seconds, tokens^2, tokens*seconds
+        self._initial = (base, per_token)  # the line before any step was seen
+        self._fitted = (base, per_token)  # the line the steps of 2+ tokens give, in seconds when they were seen
+        self._one = [0.0, 0.0]  # one-token steps: (weight, seconds), decayed at every step (drafts make them rare)
+        # steps of 2+ tokens, decayed: weight, tokens, seconds, tokens^2, tokens*seconds; and the weight and sum of
+        # the one-token step's time when they were seen (those seen after one)
+        self._sums = [0.0] * 7
         self._residual = [[0.0, 0.0], [0.0, 0.0]]  # [same size, new size]: decayed (weight, sum of time - model)
+
+    @property
+    def base(self) -> float:
+        return self._line()[0]
+
+    @property
+    def per_token(self) -> float:
+        return self._line()[1]
+
+    def _line(self) -> tuple[float, float]:
+        """(base, per_token) now: the fitted line at today's speed, drawn towards the prior by how little it saw."""
+        weight, then_weight, then = self._sums[0], self._sums[5], self._sums[6]
+        if self.one is None:
+            prior = self._initial
+        else:  # the shape through the one-token step
+            prior = (self.SHAPE * self.one / (1 + self.SHAPE), self.one / (1 + self.SHAPE))
+        if weight < 1e-9:
+            return prior
+        scale = self.one * then_weight / then if self.one is not None and then > 0 else 1.0
+        kept = weight / (weight + self.PRIOR)
+        base, per_token = self._fitted
+        return (kept * base * scale + (1 - kept) * prior[0], kept * per_token * scale + (1 - kept) * prior[1])
 
     def time(self, tokens: int) -> float:
         if tokens == 1 and self.one is not None:
             return self.one
-        return self.base + self.per_token * tokens
+        base, per_token = self._line()
+        return base + per_token * tokens
 
     def step(self, tokens: int, seconds: float, pure: bool = True) -> None:
         """Count one decode step of ``tokens`` tokens that took ``seconds`` (``pure``: it fed no prompt)."""
@@ -205,31 +244,33 @@ class StepCost:
 
     def observe(self, tokens: int, seconds: float, changed: bool = False) -> None:
         """Fit one decode step of ``tokens`` tokens that took ``seconds`` (``changed``: another size than the last)."""
-        residual = self._residual[int(changed)]
-        residual[0] = residual[0] * self.DECAY + 1.0
-        residual[1] = residual[1] * self.DECAY + seconds - self.time(tokens)
         same, new = self._residual
-        if same[0] > 0.5 and new[0] > 0.5:
-            self.switch = max(0.0, new[1] / new[0] - same[1] / same[0])
+        seen, other = (new, same) if changed else (same, new)
+        seen[0], seen[1] = seen[0] * self.DECAY + 1.0, seen[1] * self.DECAY + seconds - self.time(tokens)
+        other[0], other[1] = other[0] * self.AGE, other[1] * self.AGE
+        if same[0] > 0.5 and new[0] > 1e-9:  # what a new size took beyond the model, drawn to none while it is old
+            self.switch = max(0.0, new[1] / new[0] - same[1] / same[0]) * new[0] / (new[0] + self.PRIOR)
+            if self.one is not None:  # a new graph costs a fraction of a step; beyond it, the line has not caught up
+                self.switch = min(self.switch, self.SWITCH_MAX * self.one)
         seconds -= self.switch if changed else 0.0
         if tokens == 1:
             self._one = [self._one[0] * self.DECAY + 1.0, self._one[1] * self.DECAY + seconds]
             self.one = self._one[1] / self._one[0]
-            if self._sums[0] == 0.0:  # no step of 2+ tokens yet: the line keeps its shape through this one
-                self.per_token = self.one / (1 + self.SHAPE)
-                self.base = self.SHAPE * self.per_token
+            self._sums = [x * self.AGE for x in self._sums]
             return
+        self._one = [x * self.DECAY for x in self._one]  # older: the next one-token step counts for more
+        seen_one = (1.0, self.one) if self.one is not None else (0.0, 0.0)
         sums = [x * self.DECAY for x in self._sums]
-        for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+        for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds, *seen_one)):
             sums[i] += value
         self._sums = sums
-        weight, n, t, nn, nt = sums
+        weight, n, t, nn, nt = sums[:5]
         mean_n, mean_t = n / weight, t / weight
         shaped = mean_t / (mean_n + self.SHAPE)
         variance = nn / weight - mean_n**2
         slope = (nt / weight - mean_n * mean_t) / variance if variance > 0.25 else shaped
-        self.per_token = min(max(slope, 0.2 * shaped), mean_t / mean_n)
-        self.base = max(mean_t - self.per_token * mean_n, 1e-4)
+        per_token = min(max(slope, 0.2 * shaped), mean_t / mean_n)
+        self._fitted = (max(mean_t - per_token * mean_n, 1e-4), per_token)
 
 
 @dataclass

@@ -381,6 +381,45 @@ def test_a_one_token_step_is_costed_apart_from_the_line_of_larger_ones() -> None
     assert best_length([0.9] * 16, 1, 1, cost.time(1), lambda k: cost.time(1 + k) - cost.time(1))[0] == 0
 
 
+def _copying(run: int = 8) -> SpecState:
+    """A sequence in a copied passage: its drafts have held in full, the last one for ``run`` tokens."""
+    state = SpecState(index=NgramIndex([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 6]))
+    state.acceptance[2] = Acceptance()
+    for _ in range(30):
+        state.acceptance[2].update(8, 8)
+    state.run = run
+    return state
+
+
+def test_a_fit_taken_in_a_busy_spell_does_not_stop_drafting_for_good() -> None:
+    # the line learns only from drafts: fitted while the machine was slow, it made drafts look dear in seconds, so
+    # none were made and it never saw the machine fast again (measured on an AMD EPYC after a busy process)
+    def took(n: int, slow: float = 1.0) -> float:  # the AMD EPYC's shape
+        return slow * (0.0066 if n == 1 else 0.0073 + 0.0031 * n)
+
+    sizes = [1, 1, 1, 3, 1, 9, 1, 1, 5, 2]
+    cost = StepCost()
+    for i in range(300):
+        cost.step(sizes[i % 10], took(sizes[i % 10]))
+    assert Speculator(cost, draft_max=16).plan([Work(0, _copying(), [], 16)], room=64) >= 8
+    for i in range(300):  # a busy spell four times as slow, drafts and all
+        cost.step(sizes[i % 10], took(sizes[i % 10], slow=4.0))
+    assert Speculator(cost, draft_max=16).plan([Work(0, _copying(), [], 16)], room=64) >= 8  # the same shape
+    for _ in range(300):  # fast again (3 s): the planner may make no draft at first, and one-token steps show it
+        cost.step(1, took(1))
+    for n in (1, 2, 5, 9):
+        assert abs(cost.time(n) - took(n)) < 0.1 * took(n), (n, cost.time(n), took(n))
+    assert Speculator(cost, draft_max=16).plan([Work(0, _copying(), [], 16)], room=64) >= 8
+    # a line that no longer fits the machine for another reason (here drafts were slowed and one token was not)
+    for i in range(300):
+        n = [1, 1, 4, 4, 4, 1, 6, 6, 1, 1][i % 10]
+        cost.step(n, took(n, slow=1.0 if n == 1 else 4.0))
+    assert Speculator(cost, draft_max=16).plan([Work(0, _copying(), [], 16)], room=64) == 0
+    for _ in range(3000):  # about 30 s of plain steps: what the line knew has aged, and drafting is tried again
+        cost.step(1, took(1))
+    assert Speculator(cost, draft_max=16).plan([Work(0, _copying(), [], 16)], room=64) > 0
+
+
 def test_an_undrafted_candidate_still_teaches_the_rate() -> None:
     state = SpecState(index=NgramIndex([1, 2, 3, 9, 1, 2]))
     state.acceptance[2] = Acceptance()
