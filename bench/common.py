@@ -48,6 +48,7 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
+        self.__exit__()  # not left running by a benchmark that fails here
         raise TimeoutError(Path(self.log.name).read_text()[-3000:])
 
     def __enter__(self) -> Server:

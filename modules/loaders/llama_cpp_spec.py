@@ -36,6 +36,7 @@ MAX_DEPTH = 64  # longest draft (the --draft-max bound)
 PRIOR_WEIGHT = 2.0  # pseudo-counts a request's acceptance starts from
 PRIOR_FIRST = 0.35  # the first depth's prior: below what pays, so drafting starts once undrafted candidates held
 PROBE_EVERY = 16  # a draft model that stopped paying drafts one token this often, to notice when it pays again
+DOUBT_AFTER = 4  # a lone sequence's guesses held this many times in a row undrafted: doubt the step-cost fit
 GROWTH = 2  # a draft is at most this plus twice the tokens that held in the last verification
 DECAY = 0.95  # older verifications weigh less, so a change of text (prose after a copied block) is followed
 
@@ -112,6 +113,7 @@ class SpecState:
     shadow: int | None = None  # a candidate not drafted this step: checked against what comes, for free
     idle: int = 0  # steps since the last draft (a draft model probes after PROBE_EVERY)
     run: int = 0  # draft tokens that held in the last verification (a held candidate not drafted: 1)
+    held: int = 0  # candidates not drafted that held, in a row
     drafted: int = 0
     accepted: int = 0
 
@@ -120,9 +122,11 @@ class SpecState:
         if self.draft:
             self.acceptance.setdefault(self.source, Acceptance()).update(len(self.draft), accepted)
             self.run = accepted
+            self.held = 0
         elif self.shadow is not None:
             self.run = int(self.shadow == first_token)
             self.acceptance.setdefault(self.source, Acceptance()).update(1, self.run)
+            self.held = self.held + 1 if self.run else 0
         self.draft, self.shadow = [], None
 
 
@@ -184,9 +188,12 @@ class StepCost:
     EPYC, rewrites after two beside a busy process: none drafted, the two-token step kept at 72.8 ms against a
     one-token 10.5-11.0; in another run 138 tokens a rewrite with the one-token step kept at 28.2 ms, 0.83x a server
     without the spell). So the line is read scaled by the one-token step now against the one-token step while its
-    steps were seen; the one-token time weighs its latest steps whatever came between; and what the line and the
-    switch cost know ages at every step that teaches them nothing (about 350 steps halve it), back to the prior (that
-    shape, no switch cost), so a fit that stopped drafting is tried again.
+    steps were seen, as far as one-token steps came then (a one-token time long unseen tells nothing); the one-token
+    time weighs its latest steps whatever came between; and what the line and the switch cost know ages at every
+    step that teaches them nothing, back to the prior (that shape, no switch cost): the weight halves in ~350 such
+    steps. That alone took ~2,800 plain steps to undo a line that made drafts look four times as dear as they are,
+    and a full bench run still drafted nothing after the spell; so the planner also doubts the fit (``doubt``) when a
+    lone request's guesses keep holding undrafted, and it then ages as fast as it learns.
     """
 
     SHAPE = 1.3
@@ -203,7 +210,7 @@ class StepCost:
         self._fitted = (base, per_token)  # the line the steps of 2+ tokens give, in seconds when they were seen
         self._one = [0.0, 0.0]  # one-token steps: (weight, seconds), decayed at every step (drafts make them rare)
         # steps of 2+ tokens, decayed: weight, tokens, seconds, tokens^2, tokens*seconds; and the weight and sum of
-        # the one-token step's time when they were seen (those seen after one)
+        # the one-token step's time when they were seen, each weighed by how fresh it was then
         self._sums = [0.0] * 7
         self._residual = [[0.0, 0.0], [0.0, 0.0]]  # [same size, new size]: decayed (weight, sum of time - model)
 
@@ -224,7 +231,9 @@ class StepCost:
             prior = (self.SHAPE * self.one / (1 + self.SHAPE), self.one / (1 + self.SHAPE))
         if weight < 1e-9:
             return prior
-        scale = self.one * then_weight / then if self.one is not None and then > 0 else 1.0
+        scale = 1.0
+        if self.one is not None and then > 0:  # by how much the line's steps came with a one-token time of their day
+            scale += (self.one * then_weight / then - 1.0) * then_weight / weight
         kept = weight / (weight + self.PRIOR)
         base, per_token = self._fitted
         return (kept * base * scale + (1 - kept) * prior[0], kept * per_token * scale + (1 - kept) * prior[1])
@@ -234,6 +243,14 @@ class StepCost:
             return self.one
         base, per_token = self._line()
         return base + per_token * tokens
+
+    def doubt(self) -> None:
+        """The planner declined the guess of a lone sequence whose last guesses all held undrafted: what the line and
+        the switch cost know ages as fast as they learn, so a fit that makes drafts look dear (taken in a busy spell) gives way to the prior within a few
+        hundred such steps, and the drafts that follow measure the machine again."""
+        self._sums = [x * self.DECAY for x in self._sums]
+        new = self._residual[1]
+        new[0], new[1] = new[0] * self.DECAY, new[1] * self.DECAY
 
     def step(self, tokens: int, seconds: float, pure: bool = True) -> None:
         """Count one decode step of ``tokens`` tokens that took ``seconds`` (``pure``: it fed no prompt)."""
@@ -250,16 +267,18 @@ class StepCost:
         other[0], other[1] = other[0] * self.AGE, other[1] * self.AGE
         if same[0] > 0.5 and new[0] > 1e-9:  # what a new size took beyond the model, drawn to none while it is old
             self.switch = max(0.0, new[1] / new[0] - same[1] / same[0]) * new[0] / (new[0] + self.PRIOR)
-            if self.one is not None:  # a new graph costs a fraction of a step; beyond it, the line has not caught up
-                self.switch = min(self.switch, self.SWITCH_MAX * self.one)
-        seconds -= self.switch if changed else 0.0
+            # a new graph costs a fraction of a step; beyond it, the line has not caught up
+            self.switch = min(self.switch, self.SWITCH_MAX * self.time(1))
+        if changed:  # what the step took less the new graph, at least half of it (never a negative time)
+            seconds = max(seconds - self.switch, seconds * (1 - self.SWITCH_MAX))
         if tokens == 1:
             self._one = [self._one[0] * self.DECAY + 1.0, self._one[1] * self.DECAY + seconds]
             self.one = self._one[1] / self._one[0]
             self._sums = [x * self.AGE for x in self._sums]
             return
         self._one = [x * self.DECAY for x in self._one]  # older: the next one-token step counts for more
-        seen_one = (1.0, self.one) if self.one is not None else (0.0, 0.0)
+        fresh = min(1.0, self._one[0])  # a one-token step came lately: the one-token time is this step's day's
+        seen_one = (fresh, fresh * self.one) if self.one is not None else (0.0, 0.0)
         sums = [x * self.DECAY for x in self._sums]
         for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds, *seen_one)):
             sums[i] += value
@@ -329,6 +348,8 @@ class Speculator:
                     k, gain = 1, rates[0]
             if k == 0:
                 state.shadow = candidate[0] if candidate else None
+                if candidate and len(work) == 1 and state.held >= DOUBT_AFTER:
+                    self.cost.doubt()  # guesses keep holding undrafted: a fit that says no draft pays may be stale
                 continue
             state.idle = 0
             step_tokens += gain

@@ -19,6 +19,7 @@ from modules.generation.params import GenerationParams
 from modules.loaders.base import Backend, TokenEvent
 from modules.loaders.llama_cpp import LlamaCppBackend
 from modules.loaders.llama_cpp_spec import (
+    DOUBT_AFTER,
     Acceptance,
     NgramIndex,
     SpecState,
@@ -415,9 +416,31 @@ def test_a_fit_taken_in_a_busy_spell_does_not_stop_drafting_for_good() -> None:
         n = [1, 1, 4, 4, 4, 1, 6, 6, 1, 1][i % 10]
         cost.step(n, took(n, slow=1.0 if n == 1 else 4.0))
     assert Speculator(cost, draft_max=16).plan([Work(0, _copying(), [], 16)], room=64) == 0
-    for _ in range(3000):  # about 30 s of plain steps: what the line knew has aged, and drafting is tried again
+    for _ in range(4000):  # ~26 s of plain steps: what the line knew has aged, and drafting is tried again
         cost.step(1, took(1))
     assert Speculator(cost, draft_max=16).plan([Work(0, _copying(), [], 16)], room=64) > 0
+    # the same dear line, but the planner declines guesses of a lone request that keep holding: it doubts the fit,
+    # which then gives way within a few hundred steps instead of thousands
+    cost = StepCost()
+    for i in range(300):
+        n = [1, 1, 4, 4, 4, 1, 6, 6, 1, 1][i % 10]
+        cost.step(n, took(n, slow=1.0 if n == 1 else 4.0))
+    speculator, state, steps = Speculator(cost, draft_max=16), _copying(), 0
+    state.held = DOUBT_AFTER  # its last guesses held without being drafted
+    while speculator.plan([Work(0, state, [], 16)], room=64) == 0 and steps < 3000:
+        cost.step(1, took(1))
+        steps += 1
+    assert steps < 400, steps
+    # slow one-token steps, then many drafted ones of changing sizes (slow too, each new size 10 ms dearer), then a
+    # fast one-token step of a new size: the switch cost taken off it is bounded, and the one-token time stays a time
+    cost = StepCost()
+    for _ in range(50):
+        cost.step(1, took(1, slow=4.0))
+    for i in range(400):
+        n = [3, 9, 5, 2][i % 4]
+        cost.step(n, took(n, slow=4.0) + 0.01)
+    cost.step(1, took(1))
+    assert cost.time(1) > 0 and cost.time(2) > cost.time(1), (cost.time(1), cost.time(2), cost.switch)
 
 
 def test_an_undrafted_candidate_still_teaches_the_rate() -> None:
