@@ -36,7 +36,8 @@ MAX_DEPTH = 64  # longest draft (the --draft-max bound)
 PRIOR_WEIGHT = 2.0  # pseudo-counts a request's acceptance starts from
 PRIOR_FIRST = 0.35  # the first depth's prior: below what pays, so drafting starts once undrafted candidates held
 PROBE_EVERY = 16  # a draft model that stopped paying drafts one token this often, to notice when it pays again
-DOUBT_AFTER = 4  # a lone sequence's guesses held this many times in a row undrafted: doubt the step-cost fit
+DOUBT_AFTER = 4  # a lone sequence's last guesses held this many times undrafted: doubt the step-cost fit
+FRESH_MIN = 0.98**150  # a one-token step not seen for ~150 steps (StepCost.fresh): make one
 GROWTH = 2  # a draft is at most this plus twice the tokens that held in the last verification
 DECAY = 0.95  # older verifications weigh less, so a change of text (prose after a copied block) is followed
 
@@ -188,18 +189,22 @@ class StepCost:
     EPYC, rewrites after two beside a busy process: none drafted, the two-token step kept at 72.8 ms against a
     one-token 10.5-11.0; in another run 138 tokens a rewrite with the one-token step kept at 28.2 ms, 0.83x a server
     without the spell). So the line is read scaled by the one-token step now against the one-token step while its
-    steps were seen, as far as one-token steps came then (a one-token time long unseen tells nothing); the one-token
-    time weighs its latest steps whatever came between; and what the line and the switch cost know ages at every
-    step that teaches them nothing, back to the prior (that shape, no switch cost): the weight halves in ~350 such
-    steps. That alone took ~2,800 plain steps to undo a line that made drafts look four times as dear as they are,
-    and a full bench run still drafted nothing after the spell; so the planner also doubts the fit (``doubt``) when a
-    lone request's guesses keep holding undrafted, and it then ages as fast as it learns.
+    steps were seen, as far as one-token steps came then (``fresh``: a one-token time long unseen tells nothing);
+    the one-token time weighs its latest steps whatever came between; and what the line and the switch cost know
+    ages at every step that teaches them nothing, back to the prior (that shape, no switch cost): the weight halves
+    in ~350 such steps. That alone took ~2,800 plain steps to undo a line that made drafts look four times as dear
+    as they are, and a full bench run still drafted nothing after the spell; so the planner also doubts the fit
+    (``doubt``) when a lone request's guesses keep holding undrafted (its last four guesses, steps without one not
+    counted), and it then ages four times as fast as it learns. The other way round, a lone request drafting at every
+    step would keep a one-token time from a slow spell, which makes every draft look cheap: after ~150 steps without
+    a one-token step it makes one.
     """
 
     SHAPE = 1.3
     DECAY = 0.98
     AGE = 0.998  # what the line and the switch cost know ages by this at each step that teaches them nothing
     PRIOR = 0.5  # the weight of the prior against their decayed count of steps
+    DOUBT = DECAY**4  # what they know ages by this at each doubt (``doubt``)
     SWITCH_MAX = 0.5  # of a one-token step (measured: 0.21 on the Intel machine, 0.05 on the AMD one)
 
     def __init__(self, base: float = 0.0065, per_token: float = 0.005) -> None:
@@ -209,6 +214,8 @@ class StepCost:
         self._initial = (base, per_token)  # the line before any step was seen
         self._fitted = (base, per_token)  # the line the steps of 2+ tokens give, in seconds when they were seen
         self._one = [0.0, 0.0]  # one-token steps: (weight, seconds), decayed at every step (drafts make them rare)
+        self.fresh = 0.0  # 1 at a one-token step, decayed at every other: how lately ``one`` was seen
+        self._spread = False  # the line has seen steps of two sizes or more (a switch cost can be told from it)
         # steps of 2+ tokens, decayed: weight, tokens, seconds, tokens^2, tokens*seconds; and the weight and sum of
         # the one-token step's time when they were seen, each weighed by how fresh it was then
         self._sums = [0.0] * 7
@@ -245,12 +252,13 @@ class StepCost:
         return base + per_token * tokens
 
     def doubt(self) -> None:
-        """The planner declined the guess of a lone sequence whose last guesses all held undrafted: what the line and
-        the switch cost know ages as fast as they learn, so a fit that makes drafts look dear (taken in a busy spell) gives way to the prior within a few
-        hundred such steps, and the drafts that follow measure the machine again."""
-        self._sums = [x * self.DECAY for x in self._sums]
+        """The planner declined the guess of a lone sequence whose last guesses all held undrafted: what the line
+        and the switch cost know ages by ``DOUBT`` (four of their own steps), so a fit that makes drafts look dear
+        (taken in a busy spell) gives way to the prior within a few dozen such steps, and the drafts that follow
+        measure the machine again."""
+        self._sums = [x * self.DOUBT for x in self._sums]
         new = self._residual[1]
-        new[0], new[1] = new[0] * self.DECAY, new[1] * self.DECAY
+        new[0], new[1] = new[0] * self.DOUBT, new[1] * self.DOUBT
 
     def step(self, tokens: int, seconds: float, pure: bool = True) -> None:
         """Count one decode step of ``tokens`` tokens that took ``seconds`` (``pure``: it fed no prompt)."""
@@ -265,7 +273,8 @@ class StepCost:
         seen, other = (new, same) if changed else (same, new)
         seen[0], seen[1] = seen[0] * self.DECAY + 1.0, seen[1] * self.DECAY + seconds - self.time(tokens)
         other[0], other[1] = other[0] * self.AGE, other[1] * self.AGE
-        if same[0] > 0.5 and new[0] > 1e-9:  # what a new size took beyond the model, drawn to none while it is old
+        if same[0] > 0.5 and new[0] > 1e-9 and self._spread:  # what a new size took beyond the model, drawn to none
+            # while it is old (with one size of draft, the line's misfit at other sizes would read as a switch cost)
             self.switch = max(0.0, new[1] / new[0] - same[1] / same[0]) * new[0] / (new[0] + self.PRIOR)
             # a new graph costs a fraction of a step; beyond it, the line has not caught up
             self.switch = min(self.switch, self.SWITCH_MAX * self.time(1))
@@ -275,10 +284,11 @@ class StepCost:
             self._one = [self._one[0] * self.DECAY + 1.0, self._one[1] * self.DECAY + seconds]
             self.one = self._one[1] / self._one[0]
             self._sums = [x * self.AGE for x in self._sums]
+            self.fresh = 1.0
             return
         self._one = [x * self.DECAY for x in self._one]  # older: the next one-token step counts for more
-        fresh = min(1.0, self._one[0])  # a one-token step came lately: the one-token time is this step's day's
-        seen_one = (fresh, fresh * self.one) if self.one is not None else (0.0, 0.0)
+        self.fresh *= self.DECAY
+        seen_one = (self.fresh, self.fresh * self.one) if self.one is not None else (0.0, 0.0)
         sums = [x * self.DECAY for x in self._sums]
         for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds, *seen_one)):
             sums[i] += value
@@ -287,7 +297,8 @@ class StepCost:
         mean_n, mean_t = n / weight, t / weight
         shaped = mean_t / (mean_n + self.SHAPE)
         variance = nn / weight - mean_n**2
-        slope = (nt / weight - mean_n * mean_t) / variance if variance > 0.25 else shaped
+        self._spread = variance > 0.25
+        slope = (nt / weight - mean_n * mean_t) / variance if self._spread else shaped
         per_token = min(max(slope, 0.2 * shaped), mean_t / mean_n)
         self._fitted = (max(mean_t - per_token * mean_n, 1e-4), per_token)
 
@@ -315,6 +326,8 @@ class Speculator:
 
     def plan(self, work: list[Work], room: int) -> int:
         """Set each sequence's draft (``state.draft``, at most ``room`` tokens in all); returns how many."""
+        if len(work) == 1 and self.cost.one is not None and self.cost.fresh < FRESH_MIN and not self.draft_min:
+            return 0  # a lone sequence drafting at every step: one plain step now and then measures one token again
         step_tokens = float(len(work))
         step_time = self.cost.time(len(work))
         wanted: list[tuple[int, list[int], int]] = []
