@@ -538,7 +538,7 @@ class LlamaCppBackend(SideOps, Backend):
             work.append(Work(slot.seq_id, req.spec, tokens, limit))
         waiting = any(s.request is not None and s.request.n_fed < len(s.request.prompt) for s in self._slots)
         room = self._n_batch - len(decoding) - (PREFILL_CHUNK_WHILE_DECODING if waiting else 0)  # prompts go on
-        self._spec.plan(work, room)
+        self._spec.plan(work, room, alone=not waiting)
 
     def _emit(self, slot: _Slot, req: _Request) -> None:
         """Sample the request's rows of this step in turn: the pending token's, then one per draft token while

@@ -197,7 +197,7 @@ class StepCost:
     (``doubt``) when a lone request's guesses keep holding undrafted (its last four guesses, steps without one not
     counted), and it then ages four times as fast as it learns. The other way round, a lone request drafting at every
     step would keep a one-token time from a slow spell, which makes every draft look cheap: after ~150 steps without
-    a one-token step it makes one.
+    a one-token step it makes one (not while another request's prompt is fed beside it), whose time replaces the old.
     """
 
     SHAPE = 1.3
@@ -278,9 +278,13 @@ class StepCost:
             self.switch = max(0.0, new[1] / new[0] - same[1] / same[0]) * new[0] / (new[0] + self.PRIOR)
             # a new graph costs a fraction of a step; beyond it, the line has not caught up
             self.switch = min(self.switch, self.SWITCH_MAX * self.time(1))
+        else:  # not told now: what was told ages as the rest
+            self.switch *= self.AGE
         if changed:  # what the step took less the new graph, at least half of it (never a negative time)
             seconds = max(seconds - self.switch, seconds * (1 - self.SWITCH_MAX))
         if tokens == 1:
+            if self.fresh < FRESH_MIN:  # a one-token time long unseen: this step replaces it
+                self._one = [0.0, 0.0]
             self._one = [self._one[0] * self.DECAY + 1.0, self._one[1] * self.DECAY + seconds]
             self.one = self._one[1] / self._one[0]
             self._sums = [x * self.AGE for x in self._sums]
@@ -324,9 +328,11 @@ class Speculator:
         self.drafted = 0  # totals for /metrics
         self.accepted = 0
 
-    def plan(self, work: list[Work], room: int) -> int:
-        """Set each sequence's draft (``state.draft``, at most ``room`` tokens in all); returns how many."""
-        if len(work) == 1 and self.cost.one is not None and self.cost.fresh < FRESH_MIN and not self.draft_min:
+    def plan(self, work: list[Work], room: int, alone: bool = True) -> int:
+        """Set each sequence's draft (``state.draft``, at most ``room`` tokens in all); returns how many.
+        ``alone``: no prompt is fed in this step (so a step of one token measures a one-token step)."""
+        stale = self.cost.one is not None and self.cost.fresh < FRESH_MIN
+        if alone and len(work) == 1 and stale and not self.draft_min:
             return 0  # a lone sequence drafting at every step: one plain step now and then measures one token again
         step_tokens = float(len(work))
         step_time = self.cost.time(len(work))
