@@ -198,6 +198,12 @@ class CpuAccount:
         }
 
 
+def metrics(url: str, prefix: str = "textgen_") -> dict[str, float]:
+    """The samples of a server's ``/metrics`` whose name starts with ``prefix``: {name and labels: value}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith(prefix)}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:

@@ -17,7 +17,16 @@ from typing import Any
 
 import httpx
 
-from bench.common import MODEL, CpuAccount, StreamResult, llama_cpp_server, percentile, stream_completion, textgen
+from bench.common import (
+    MODEL,
+    CpuAccount,
+    StreamResult,
+    llama_cpp_server,
+    metrics,
+    percentile,
+    stream_completion,
+    textgen,
+)
 
 NEW_TOKENS = 128
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -396,15 +405,10 @@ def speculative(rounds: int = 4) -> dict[str, Any]:
             for step in steps if round_ % 2 == 0 else steps[::-1]:  # each pair in both orders: this machine drifts
                 time.sleep(0.3)
                 step()
-        metrics = httpx.get(on.url + "/metrics", timeout=10).text
+        accepted = metrics(on.url, "textgen_speculative_")
     for llm in (raw, raw_code, pld):
         llm.close()
     med = {k: statistics.median(v) for k, v in runs.items()}
-    accepted = {
-        line.split()[0]: float(line.split()[1])
-        for line in metrics.splitlines()
-        if line.startswith("textgen_speculative_")
-    }
     return {
         "input_grounded": {
             "textgen_tokens_per_s": med["ours"],
@@ -439,67 +443,6 @@ def speculative(rounds: int = 4) -> dict[str, Any]:
         },
         "server_metrics": accepted,
         "runs": runs,
-    }
-
-
-def speculative_after_busy(busy: int = 2, rounds: int = 4) -> dict[str, Any]:
-    """The rewrite on a server whose first ``busy`` rewrites ran beside a busy process (a CPU-bound loop, as another
-    program would be), then ``rounds`` quiet rewrites alternating with a server that had no busy spell (each round's
-    two runs next to each other, in both orders; the ratio is the median of the rounds' ratios): the planner fits
-    its step costs to the steps it sees, and a fit taken in a slow spell must not stop drafting afterwards."""
-    import subprocess
-    import sys
-
-    body = {"prompt": TEXT_PROMPT, "max_tokens": SPEC_TOKENS, "temperature": 0, "logit_bias": EOG_BIAS,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    runs: dict[str, list[float]] = {"busy": [], "after": [], "quiet": []}
-    drafted: dict[str, list[float]] = {"after": [], "quiet": []}
-
-    def drafts(url: str) -> float:
-        text = httpx.get(url + "/metrics", timeout=10).text
-        return sum(
-            float(line.split()[-1]) for line in text.splitlines() if line.startswith("textgen_speculative_draft")
-        )
-
-    def rewrite(url: str, name: str) -> None:
-        before = drafts(url)
-        result = stream_completion(url, body)
-        runs[name].append(result.tokens / (result.ended - result.started))
-        if name in drafted:
-            drafted[name].append(drafts(url) - before)
-
-    with textgen("--threads", str(THREADS)) as spelled, textgen("--threads", str(THREADS)) as quiet:
-        for url in (spelled.url, quiet.url):
-            stream_completion(url, {**body, "max_tokens": 8})
-        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            for _ in range(busy):
-                rewrite(spelled.url, "busy")
-        finally:
-            hog.kill()
-            hog.wait()
-        for round_ in range(rounds):
-            pair = ((spelled.url, "after"), (quiet.url, "quiet"))
-            for url, name in pair if round_ % 2 == 0 else pair[::-1]:
-                time.sleep(0.3)
-                rewrite(url, name)
-        costs = {
-            line.split()[0]: round(float(line.split()[1]) * 1000, 2)
-            for line in httpx.get(spelled.url + "/metrics", timeout=10).text.splitlines()
-            if line.startswith("textgen_speculative_step")
-        }
-    after, ref = statistics.median(runs["after"]), statistics.median(runs["quiet"])
-    return {
-        "after_busy_tokens_per_s": after,
-        "no_busy_spell_tokens_per_s": ref,
-        # the two runs of a round are next to each other in time: the median of their ratios, which a shift of this
-        # machine's speed between rounds does not move as it moves the medians of the two sides
-        "ratio": statistics.median(a / b for a, b in zip(runs["after"], runs["quiet"], strict=True)),
-        "ratio_of_medians": after / ref,
-        "target": ">= 0.9",
-        "runs": runs,
-        "draft_tokens": drafted,
-        "step_ms_after": costs,
     }
 
 

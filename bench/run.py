@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import llama_engine, load, spec_ceiling, transformers_engine, ui_bench, vllm_engine
+from bench import llama_engine, load, spec_busy, spec_ceiling, transformers_engine, ui_bench, vllm_engine
 from bench.common import RESULTS, ROOT, machine, write_result
 
 BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
@@ -20,7 +20,7 @@ BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "concurrency": llama_engine.concurrency,
     "prompt_cache": llama_engine.prompt_cache,
     "speculative": llama_engine.speculative,
-    "spec_after_busy": llama_engine.speculative_after_busy,
+    "spec_after_busy": spec_busy.run,
     "spec_ceiling": spec_ceiling.run,
     "transformers": transformers_engine.pipeline_vs_generate,
     "transformers_concurrency": transformers_engine.concurrency,
