@@ -220,35 +220,37 @@ class StepCost:
         # the one-token step's time when they were seen, each weighed by how fresh it was then
         self._sums = [0.0] * 7
         self._residual = [[0.0, 0.0], [0.0, 0.0]]  # [same size, new size]: decayed (weight, sum of time - model)
+        self._now = (base, per_token)  # (base, per_token) as read now: set where what it is read from changes
 
     @property
     def base(self) -> float:
-        return self._line()[0]
+        return self._now[0]
 
     @property
     def per_token(self) -> float:
-        return self._line()[1]
+        return self._now[1]
 
-    def _line(self) -> tuple[float, float]:
-        """(base, per_token) now: the fitted line at today's speed, drawn towards the prior by how little it saw."""
+    def _read(self) -> None:
+        """The line now: the fitted line at today's speed, drawn towards the prior by how little it saw."""
         weight, then_weight, then = self._sums[0], self._sums[5], self._sums[6]
         if self.one is None:
             prior = self._initial
         else:  # the shape through the one-token step
             prior = (self.SHAPE * self.one / (1 + self.SHAPE), self.one / (1 + self.SHAPE))
         if weight < 1e-9:
-            return prior
+            self._now = prior
+            return
         scale = 1.0
         if self.one is not None and then > 0:  # by how much the line's steps came with a one-token time of their day
             scale += (self.one * then_weight / then - 1.0) * then_weight / weight
         kept = weight / (weight + self.PRIOR)
         base, per_token = self._fitted
-        return (kept * base * scale + (1 - kept) * prior[0], kept * per_token * scale + (1 - kept) * prior[1])
+        self._now = (kept * base * scale + (1 - kept) * prior[0], kept * per_token * scale + (1 - kept) * prior[1])
 
     def time(self, tokens: int) -> float:
         if tokens == 1 and self.one is not None:
             return self.one
-        base, per_token = self._line()
+        base, per_token = self._now
         return base + per_token * tokens
 
     def doubt(self) -> None:
@@ -259,6 +261,7 @@ class StepCost:
         self._sums = [x * self.DOUBT for x in self._sums]
         new = self._residual[1]
         new[0], new[1] = new[0] * self.DOUBT, new[1] * self.DOUBT
+        self._read()
 
     def step(self, tokens: int, seconds: float, pure: bool = True) -> None:
         """Count one decode step of ``tokens`` tokens that took ``seconds`` (``pure``: it fed no prompt)."""
@@ -289,6 +292,7 @@ class StepCost:
             self.one = self._one[1] / self._one[0]
             self._sums = [x * self.AGE for x in self._sums]
             self.fresh = 1.0
+            self._read()
             return
         self._one = [x * self.DECAY for x in self._one]  # older: the next one-token step counts for more
         self.fresh *= self.DECAY
@@ -305,6 +309,7 @@ class StepCost:
         slope = (nt / weight - mean_n * mean_t) / variance if self._spread else shaped
         per_token = min(max(slope, 0.2 * shaped), mean_t / mean_n)
         self._fitted = (max(mean_t - per_token * mean_n, 1e-4), per_token)
+        self._read()
 
 
 @dataclass
